@@ -1,0 +1,65 @@
+"""kvstream: KV-cache streaming for prefill/decode-disaggregated LLM serving.
+
+Control plane on NATS, data plane on UCX. ``import kvstream`` stays light:
+torch and ucxx are imported by the modules that use them, when they use them.
+"""
+
+from kvstream._exceptions import AdapterError as AdapterError
+from kvstream._exceptions import ConfigError as ConfigError
+from kvstream._exceptions import ControlPlaneError as ControlPlaneError
+from kvstream._exceptions import DataPlaneError as DataPlaneError
+from kvstream._exceptions import IncompatiblePeerError as IncompatiblePeerError
+from kvstream._exceptions import InvalidBlockError as InvalidBlockError
+from kvstream._exceptions import KVStreamError as KVStreamError
+from kvstream._exceptions import LayoutError as LayoutError
+from kvstream._exceptions import MessageDecodeError as MessageDecodeError
+from kvstream._exceptions import NoPeerError as NoPeerError
+from kvstream._exceptions import PeerLostError as PeerLostError
+from kvstream._exceptions import ProtocolError as ProtocolError
+from kvstream._exceptions import QuantizationError as QuantizationError
+from kvstream._exceptions import TransferAbortedError as TransferAbortedError
+from kvstream._exceptions import TransferError as TransferError
+from kvstream._exceptions import TransferTimeout as TransferTimeout
+from kvstream.agent import Agent as Agent
+from kvstream.agent import AgentStatistics as AgentStatistics
+from kvstream.config import AgentConfig as AgentConfig
+from kvstream.control.nats_server import EmbeddedNats as EmbeddedNats
+from kvstream.handles import ReceiveHandle as ReceiveHandle
+from kvstream.handles import SendHandle as SendHandle
+from kvstream.layout import KVLayout as KVLayout
+from kvstream.planner import Plan as Plan
+from kvstream.planner import plan_transfer as plan_transfer
+from kvstream.transfer import TransferResult as TransferResult
+from kvstream.transfer import TransferState as TransferState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AdapterError",
+    "Agent",
+    "AgentConfig",
+    "AgentStatistics",
+    "ConfigError",
+    "ControlPlaneError",
+    "DataPlaneError",
+    "EmbeddedNats",
+    "IncompatiblePeerError",
+    "InvalidBlockError",
+    "KVLayout",
+    "KVStreamError",
+    "LayoutError",
+    "MessageDecodeError",
+    "NoPeerError",
+    "PeerLostError",
+    "Plan",
+    "ProtocolError",
+    "QuantizationError",
+    "ReceiveHandle",
+    "SendHandle",
+    "TransferAbortedError",
+    "TransferError",
+    "TransferResult",
+    "TransferState",
+    "TransferTimeout",
+    "plan_transfer",
+)

@@ -1,0 +1,128 @@
+"""The one exception tree of kvstream.
+
+Every error kvstream raises is a ``KVStreamError``; foreign errors (nats, ucxx,
+msgspec, torch) are translated at the module that talks to them, with
+``raise ... from exc`` so the cause stays visible::
+
+    KVStreamError
+    ├── ConfigError                 bad settings, unknown preset, bad CLI argument
+    ├── LayoutError                 memory that does not match its KVLayout
+    ├── ProtocolError               a message we cannot accept
+    │   ├── MessageDecodeError      malformed bytes or wrong field types
+    │   └── IncompatiblePeerError   protocol version or layout fingerprint mismatch
+    ├── ControlPlaneError           NATS trouble
+    │   └── NoPeerError             nobody answers for that instance (no responders)
+    ├── DataPlaneError              UCX trouble (endpoint error, worker setup)
+    ├── InvalidBlockError           block ids outside registered memory
+    ├── TransferError               a transfer ended without completing
+    │   ├── TransferAbortedError    aborted by either side
+    │   ├── PeerLostError           the peer died (missed heartbeats, UCX error)
+    │   └── TransferTimeout         deadline passed (also a ``TimeoutError``)
+    ├── QuantizationError
+    └── AdapterError
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AdapterError",
+    "ConfigError",
+    "ControlPlaneError",
+    "DataPlaneError",
+    "IncompatiblePeerError",
+    "InvalidBlockError",
+    "KVStreamError",
+    "LayoutError",
+    "MessageDecodeError",
+    "NoPeerError",
+    "PeerLostError",
+    "ProtocolError",
+    "QuantizationError",
+    "TransferAbortedError",
+    "TransferError",
+    "TransferTimeout",
+]
+
+
+class KVStreamError(Exception):
+    """Root of every kvstream error."""
+
+
+class ConfigError(KVStreamError):
+    """A setting, preset name or argument is invalid."""
+
+
+class LayoutError(KVStreamError):
+    """Tensors handed to kvstream do not match the declared KV layout."""
+
+
+class ProtocolError(KVStreamError):
+    """A control or data-plane message could not be accepted."""
+
+
+class MessageDecodeError(ProtocolError):
+    """Bytes that are not a valid message of the expected plane."""
+
+
+class IncompatiblePeerError(ProtocolError):
+    """The peer speaks another protocol version or holds another KV layout."""
+
+    def __init__(self, message: str, *, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class ControlPlaneError(KVStreamError):
+    """NATS could not be reached or did not deliver."""
+
+
+class NoPeerError(ControlPlaneError):
+    """No instance answers on the subject (NATS no-responders or timeout)."""
+
+    def __init__(self, message: str, *, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class DataPlaneError(KVStreamError):
+    """UCX could not be set up or an endpoint failed."""
+
+
+class InvalidBlockError(KVStreamError):
+    """Block ids that fall outside the registered KV memory."""
+
+    def __init__(self, message: str, *, block_ids: Sequence[int] = (), limit: int = 0) -> None:
+        super().__init__(message)
+        self.block_ids = tuple(block_ids)
+        self.limit = limit
+
+
+class TransferError(KVStreamError):
+    """A transfer ended in a state other than completed."""
+
+    def __init__(self, message: str, *, request_id: str | None = None, peer: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+        self.peer = peer
+
+
+class TransferAbortedError(TransferError):
+    """One side aborted the transfer."""
+
+
+class PeerLostError(TransferError):
+    """The peer stopped answering (dead process, lost heartbeats, UCX error)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The transfer's deadline passed before it completed."""
+
+
+class QuantizationError(KVStreamError):
+    """A codec could not encode or decode a block."""
+
+
+class AdapterError(KVStreamError):
+    """An engine adapter was misconfigured or its engine is missing."""

@@ -1,0 +1,1 @@
+"""Engine adapters (vLLM, SGLang), found lazily through a registry of "module:Class" strings."""

@@ -1,0 +1,461 @@
+"""The Agent: one NATS connection, one UCX worker, registered KV memory, transfers.
+
+An Agent is an async context manager owning one task group; everything it
+runs in the background (heartbeats, the watchdog, each transfer's stream)
+lives there and ends with it. It can run inside the engine process or in a
+sidecar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from kvstream._exceptions import (
+    ConfigError,
+    IncompatiblePeerError,
+    InvalidBlockError,
+    KVStreamError,
+    ProtocolError,
+    TransferError,
+)
+from kvstream.config import AgentConfig
+from kvstream.control import messages as m
+from kvstream.control.bus import ControlBus
+from kvstream.control.nats_server import DEFAULT_NATS_URL, EmbeddedNats, is_listening
+from kvstream.control.registry import Registry
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.memory import RegisteredKV
+from kvstream.dataplane.staging import StagingPool
+from kvstream.dataplane.ucx import UcxWorker
+from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.layout import KVLayout
+from kvstream.streams import RecvStream, SendStream, StreamEnv
+from kvstream.transfer import Side, Transfer, TransferResult, TransferState
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.streams import _Stream
+
+__all__ = ["Agent", "AgentStatistics"]
+
+log = logging.getLogger("kvstream.agent")
+
+
+class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What an agent holds and has done; at rest every ``*_active`` figure is 0."""
+
+    instance_id: str
+    transfers_active: int
+    reservations_active: int
+    staging_bytes_in_use: int
+    staging_bytes_peak: int
+    completed: int
+    failed: int
+    aborted: int
+    timed_out: int
+    bytes_sent: int
+    bytes_received: int
+    malformed_messages: int
+    peers_alive: int
+
+
+_REJECT_ERRORS: dict[str, type[KVStreamError]] = {
+    "incompatible": IncompatiblePeerError,
+    "invalid_blocks": InvalidBlockError,
+    "malformed": ProtocolError,
+}
+
+
+class Agent:
+    """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
+
+    def __init__(self, config: AgentConfig, *, layout: KVLayout | None = None,
+                 kv_caches: Sequence[torch.Tensor] | None = None) -> None:
+        self.config = config
+        self.subjects = Subjects(config.namespace)
+        self.registry = Registry(peer_timeout_s=config.peer_timeout_s)
+        self.staging = StagingPool(config.staging_bytes)
+        self.memory: RegisteredKV | None = None
+        if kv_caches is not None:
+            if layout is None:
+                raise ConfigError("kv_caches need their layout")
+            self.register_kv(layout, kv_caches)
+        self._layout = layout
+        self._bus: ControlBus | None = None
+        self._worker: UcxWorker | None = None
+        self._nats: EmbeddedNats | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._streams: dict[str, _Stream] = {}
+        self._reservations: dict[str, ReceiveHandle] = {}
+        self._counters = dict.fromkeys(
+            ("completed", "failed", "aborted", "timed_out", "bytes_sent", "bytes_received"), 0)
+        self._seq = 0
+        self.nats_url = ""
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def __aenter__(self) -> Agent:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        cfg = self.config
+        url = cfg.nats_url
+        if url is None:
+            url = DEFAULT_NATS_URL
+            if not is_listening(url):
+                self._nats = EmbeddedNats(port=4222).start()
+                self._stack.callback(self._nats.stop)
+        self.nats_url = url
+        self._bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}")
+        self._stack.push_async_callback(self._bus.close)
+        self._worker = await UcxWorker.open(progress_mode=cfg.progress_mode,
+                                            error_handling=cfg.ucx_error_handling)
+        self._stack.push_async_callback(self._worker.close)
+        self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.push_async_callback(self._shutdown)
+        await self._bus.serve(self.subjects.control(cfg.instance_id), self._on_control)
+        await self._bus.serve(self.subjects.registry_all, self._on_registry)
+        await self._announce()
+        await self._bus.flush()
+        self._tg.start_soon(self._heartbeat_loop)
+        self._tg.start_soon(self._watchdog_loop)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _shutdown(self) -> None:
+        """Abort what is in flight (peers are told), say goodbye, stop background tasks."""
+        with anyio.CancelScope(shield=True):
+            for handle in list(self._reservations.values()):
+                self._end_reservation(handle, TransferState.ABORTED, "agent shutting down")
+            streams = list(self._streams.values())
+            for stream in streams:
+                stream.stop(TransferState.ABORTED, "agent shutting down")
+            with anyio.move_on_after(self.config.request_timeout_s * 2):
+                for stream in streams:
+                    await stream.stopped.wait()
+            if self._bus is not None:
+                with contextlib.suppress(KVStreamError):
+                    await self._bus.publish(self.subjects.registry(self.config.instance_id),
+                                            m.Leave(instance_id=self.config.instance_id))
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+
+    # -- memory ----------------------------------------------------------------------
+    def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor]) -> RegisteredKV:
+        """Register the engine's per-layer KV tensors; block ids are checked against them."""
+        if self.memory is not None:
+            raise ConfigError("KV memory is already registered with this agent")
+        self.memory = RegisteredKV(layout, layers)
+        self._layout = layout
+        return self.memory
+
+    def _mem(self) -> RegisteredKV:
+        if self.memory is None:
+            raise ConfigError("register KV memory (Agent.register_kv) before transferring")
+        return self.memory
+
+    @property
+    def instance_id(self) -> str:
+        return self.config.instance_id
+
+    @property
+    def worker_address(self) -> bytes:
+        if self._worker is None:
+            raise ConfigError("the agent is not started")
+        return self._worker.address
+
+    # -- the decode side ---------------------------------------------------------------
+    def expect(self, request_id: str, dst_blocks: Sequence[int]) -> ReceiveHandle:
+        """Reserve ``dst_blocks`` for the KV of ``request_id``; a push may land there now.
+
+        Raises ``InvalidBlockError`` for ids outside registered memory. The
+        reservation ends, released, when its transfer ends or after
+        ``reservation_timeout_s`` without a manifest.
+        """
+        mem = self._mem()
+        if request_id in self._reservations:
+            raise ConfigError(f"request {request_id!r} already has a reservation")
+        if len(self._reservations) + len(self._streams) >= self.config.max_transfers:
+            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+        blocks = mem.block_map(dst_blocks, what="destination block")
+        transfer = Transfer(transfer_id="", request_id=request_id, side=Side.RECV, peer="",
+                            num_layers=mem.layout.num_layers,
+                            layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+        handle = ReceiveHandle(transfer, lambda reason: self._abort(transfer, reason),
+                               blocks=blocks)
+        self._reservations[request_id] = handle
+        return handle
+
+    def _end_reservation(self, handle: ReceiveHandle, state: TransferState, reason: str) -> None:
+        self._reservations.pop(handle.request_id, None)
+        if handle.transfer.finish(state, reason):
+            self._count(state.value, 1)
+
+    async def _on_manifest(self, msg: m.Manifest) -> m.ControlMessage:
+        def reject(code: m.RejectCode, reason: str) -> m.Reject:
+            log.warning("rejected transfer %s from %s: %s", msg.transfer_id, msg.src, reason)
+            return m.Reject(transfer_id=msg.transfer_id, code=code, reason=reason)
+
+        mem = self.memory
+        if mem is None:
+            return reject("no_reservation", f"{self.instance_id} has no registered KV memory")
+        if msg.fingerprint != mem.layout.fingerprint or msg.num_layers != mem.layout.num_layers:
+            return reject("incompatible", f"layout fingerprint {msg.fingerprint} != "
+                          f"{mem.layout.fingerprint} ({mem.layout.describe()})")
+        if msg.codec != "none":
+            return reject("incompatible", f"codec {msg.codec!r} is not supported here")
+        handle = self._reservations.get(msg.request_id)
+        if handle is None:
+            return reject("no_reservation", f"no blocks reserved for request {msg.request_id!r}")
+        if msg.transfer_id in self._streams:
+            return reject("duplicate", f"transfer {msg.transfer_id} is already running")
+        if len(msg.src_blocks) != len(handle.blocks) or (
+                msg.dst_blocks and msg.dst_blocks != handle.blocks.ids):
+            return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map onto "
+                          f"the {len(handle.blocks)} blocks reserved for {msg.request_id!r}")
+        try:
+            Subjects.check_instance_id(msg.src)
+        except ConfigError as exc:
+            return reject("malformed", str(exc))
+        del self._reservations[msg.request_id]
+        t = handle.transfer
+        t.transfer_id, t.peer = msg.transfer_id, msg.src
+        self.registry.contact(msg.src)
+        dst_tag = wire.next_xfer_tag()
+        stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
+                            src_tag=msg.src_tag, dst_tag=dst_tag)
+        self._run_stream(msg.transfer_id, stream)
+        return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
+                        dst_address=self.worker_address, dst_blocks=handle.blocks.ids)
+
+    # -- the prefill side --------------------------------------------------------------
+    async def push(
+        self, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
+        dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+        timeout: float | None = None,
+    ) -> SendHandle:
+        """Offer ``request_id``'s KV to ``dst_instance``; returns once it accepted.
+
+        ``mode="pipelined"`` sends layer L as soon as ``handle.layer_ready(L)``;
+        ``"eager"`` waits for every layer. Raises ``NoPeerError`` (nobody answers),
+        ``InvalidBlockError`` (ids outside memory, here or there),
+        ``IncompatiblePeerError`` (other layout) before any byte moves.
+        """
+        mem = self._mem()
+        if mode not in ("pipelined", "eager"):
+            raise ConfigError(f"mode must be 'pipelined' or 'eager', got {mode!r}")
+        Subjects.check_instance_id(dst_instance)
+        blocks = mem.block_map(src_blocks, what="source block")
+        if dst_blocks is not None and len(dst_blocks) != len(blocks):
+            raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"
+                                    " blocks", block_ids=list(dst_blocks))
+        if len(self._reservations) + len(self._streams) >= self.config.max_transfers:
+            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+        transfer = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
+                            peer=dst_instance, num_layers=mem.layout.num_layers,
+                            layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+        handle = SendHandle(transfer, lambda reason: self._abort(transfer, reason),
+                            eager=mode == "eager", blocks=blocks)
+        src_tag = wire.next_xfer_tag()
+        manifest = m.Manifest(
+            transfer_id=transfer.transfer_id, request_id=request_id, src=self.instance_id,
+            dst=dst_instance, src_address=self.worker_address, src_tag=src_tag,
+            fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+            src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []), mode=mode,
+            payload_bytes=transfer.layer_bytes * transfer.num_layers,
+            deadline_s=timeout or self.config.transfer_timeout_s,
+        )
+        try:
+            reply = await self._bus_().request(
+                self.subjects.control(dst_instance), manifest,
+                timeout=self.config.request_timeout_s, peer=dst_instance)
+        except KVStreamError as exc:
+            self._fail_unstarted(transfer, exc)
+            raise
+        if isinstance(reply, m.Reject):
+            exc = _REJECT_ERRORS.get(reply.code, TransferError)(
+                f"{dst_instance} refused transfer for {request_id!r}: {reply.reason}")
+            self._fail_unstarted(transfer, exc)
+            raise exc
+        if not isinstance(reply, m.Accept) or reply.transfer_id != transfer.transfer_id:
+            exc = ProtocolError(f"unexpected answer to a manifest: {type(reply).__name__}")
+            self._fail_unstarted(transfer, exc)
+            raise exc
+        self.registry.contact(dst_instance)
+        stream = SendStream(self._env(), handle, peer_address=reply.dst_address,
+                            src_tag=src_tag, dst_tag=reply.dst_tag)
+        self._run_stream(transfer.transfer_id, stream)
+        return handle
+
+    def _fail_unstarted(self, transfer: Transfer, exc: Exception) -> None:
+        if transfer.finish(TransferState.FAILED, str(exc)):
+            self._count("failed", 1)
+
+    # -- transfers ---------------------------------------------------------------------
+    def _env(self) -> StreamEnv:
+        assert self._worker is not None  # started; not input validation
+        return StreamEnv(config=self.config, worker=self._worker, memory=self._mem(),
+                         staging=self.staging, request_abort=self._request_abort,
+                         publish_done=self._publish_done, count=self._count)
+
+    def _run_stream(self, transfer_id: str, stream: _Stream) -> None:
+        self._streams[transfer_id] = stream
+
+        async def run() -> None:
+            try:
+                await stream.run()
+            finally:
+                self._streams.pop(transfer_id, None)
+
+        assert self._tg is not None
+        self._tg.start_soon(run)
+
+    async def _abort(self, transfer: Transfer, reason: str) -> None:
+        if transfer.request_id in self._reservations and not transfer.transfer_id:
+            self._end_reservation(self._reservations[transfer.request_id],
+                                  TransferState.ABORTED, reason)
+            return
+        stream = self._streams.get(transfer.transfer_id)
+        if stream is not None:
+            stream.stop(TransferState.ABORTED, reason)
+            await stream.stopped.wait()
+
+    async def _request_abort(self, peer: str, transfer_id: str, reason: str) -> bool:
+        try:
+            reply = await self._bus_().request(
+                self.subjects.control(peer),
+                m.Abort(transfer_id=transfer_id, request_id="", reason=reason,
+                        by=self.instance_id),
+                timeout=self.config.request_timeout_s, peer=peer)
+        except KVStreamError as exc:
+            log.info("abort of %s not acknowledged by %s: %s", transfer_id, peer, exc)
+            return False
+        return isinstance(reply, m.AbortAck)
+
+    async def _publish_done(self, peer: str, result: TransferResult) -> None:
+        with contextlib.suppress(KVStreamError):
+            await self._bus_().publish(self.subjects.control(peer), m.Done(
+                transfer_id=result.transfer_id, request_id=result.request_id,
+                status=result.status, reason=result.reason, bytes=result.bytes,
+                layers=result.layers))
+
+    async def _on_abort(self, msg: m.Abort) -> m.ControlMessage:
+        stream = self._streams.get(msg.transfer_id)
+        if stream is None:
+            # Already over here; nothing of ours is in flight for it.
+            return m.AbortAck(transfer_id=msg.transfer_id)
+        self.registry.contact(msg.by)
+        stream.stop(TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}", by_peer=True)
+        with anyio.move_on_after(self.config.request_timeout_s):
+            await stream.quiesced.wait()
+        return m.AbortAck(transfer_id=msg.transfer_id)
+
+    # -- control plane -----------------------------------------------------------------
+    def _bus_(self) -> ControlBus:
+        if self._bus is None:
+            raise ConfigError("the agent is not started")
+        return self._bus
+
+    async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]) -> m.ControlMessage | None:
+        match msg:
+            case m.Manifest():
+                return await self._on_manifest(msg)
+            case m.Abort():
+                return await self._on_abort(msg)
+            case m.Done():
+                stream = self._streams.get(msg.transfer_id)
+                if isinstance(stream, SendStream):
+                    stream.on_remote_done(msg.status, msg.reason)
+                return None
+            case _:
+                return m.Reject(transfer_id="", code="malformed",
+                                reason=f"{type(msg).__name__} is not a control request")
+
+    async def _on_registry(self, msg: m.ControlUnion, headers: dict[str, str]) -> None:
+        match msg:
+            case m.Announce() if msg.instance_id != self.instance_id:
+                self.registry.observe(msg)
+            case m.Leave() if msg.instance_id != self.instance_id:
+                self.registry.leave(msg.instance_id)
+                self._fail_peer(msg.instance_id)
+        return None
+
+    async def _announce(self) -> None:
+        self._seq += 1
+        mem = self.memory
+        await self._bus_().publish(self.subjects.registry(self.instance_id), m.Announce(
+            instance_id=self.instance_id, role=self.config.role,
+            worker_address=self.worker_address, layout=mem.layout if mem else self._layout,
+            num_blocks=mem.num_blocks if mem else 0, load=float(len(self._streams)),
+            heartbeat_s=self.config.heartbeat_s, seq=self._seq))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.config.heartbeat_s)
+            try:
+                await self._announce()
+            except KVStreamError as exc:
+                log.warning("heartbeat not sent: %s", exc)
+
+    def _fail_peer(self, peer: str) -> None:
+        reason = f"peer lost: {self.registry.why_dead(peer)}"
+        for stream in list(self._streams.values()):
+            if stream.peer == peer:
+                stream.stop(TransferState.FAILED, reason, peer_dead=True)
+
+    async def _watchdog_loop(self) -> None:
+        period = min(self.config.heartbeat_s, 0.25)
+        while True:
+            await anyio.sleep(period)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                t = stream.handle.transfer
+                if not self.registry.alive(stream.peer):
+                    self._fail_peer(stream.peer)
+                elif now - t.started_at > self.config.transfer_timeout_s:
+                    stream.stop(TransferState.TIMED_OUT,
+                                f"not done after {self.config.transfer_timeout_s}s")
+            for handle in list(self._reservations.values()):
+                if now - handle.transfer.started_at > self.config.reservation_timeout_s:
+                    self._end_reservation(handle, TransferState.TIMED_OUT,
+                                          f"no manifest within {self.config.reservation_timeout_s}s")
+
+    # -- introspection -----------------------------------------------------------------
+    def _count(self, key: str, n: int) -> None:
+        self._counters[key] += n
+
+    def statistics(self) -> AgentStatistics:
+        c = self._counters
+        return AgentStatistics(
+            instance_id=self.instance_id,
+            transfers_active=len(self._streams),
+            reservations_active=len(self._reservations),
+            staging_bytes_in_use=self.staging.in_use,
+            staging_bytes_peak=self.staging.peak,
+            completed=c["completed"], failed=c["failed"], aborted=c["aborted"],
+            timed_out=c["timed_out"], bytes_sent=c["bytes_sent"],
+            bytes_received=c["bytes_received"],
+            malformed_messages=self._bus.malformed if self._bus else 0,
+            peers_alive=len(self.registry.instances()),
+        )
+
+    def peers(self, role: str | None = None) -> list[m.Announce]:
+        """Live instances from the registry (optionally of one role)."""
+        return self.registry.instances(role)
+

@@ -1,0 +1,53 @@
+"""Agent configuration: one frozen struct, passed whole."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvstream._exceptions import ConfigError
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane.ucx import PROGRESS_MODES
+
+__all__ = ["AgentConfig"]
+
+MiB = 1 << 20
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of one Agent. Times are seconds, sizes bytes."""
+
+    instance_id: str
+    role: Literal["prefill", "decode", "both"] = "both"
+    namespace: str = "default"
+    # None: use a NATS server already on the default URL, else start an embedded one.
+    nats_url: str | None = None
+    # "thread" (UCX progress thread + futures, no idle spin) is right for most hosts;
+    # "blocking"/"polling" trade a busy event loop for slightly lower latency.
+    progress_mode: str = "thread"
+    # True on RDMA networks; False lets same-host peers use shared memory (PERF.md).
+    ucx_error_handling: bool = False
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 2.0
+    request_timeout_s: float = 2.0
+    transfer_timeout_s: float = 60.0
+    # How long an expect() reservation waits for the prefill side's manifest.
+    reservation_timeout_s: float = 60.0
+    staging_bytes: int = 256 * MiB
+    max_inflight_layers: int = 4
+    max_transfers: int = 1024
+
+    def __post_init__(self) -> None:
+        Subjects.check_instance_id(self.instance_id)
+        Subjects(self.namespace)
+        if self.progress_mode not in PROGRESS_MODES:
+            raise ConfigError(f"progress_mode must be one of {PROGRESS_MODES}")
+        for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "transfer_timeout_s",
+                     "reservation_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.peer_timeout_s < 2 * self.heartbeat_s:
+            raise ConfigError("peer_timeout_s must be at least two heartbeats")
+        if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
+            raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")

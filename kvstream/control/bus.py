@@ -1,0 +1,125 @@
+"""The NATS boundary: connect, request, publish, serve; nats errors become kvstream errors."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import nats
+import nats.errors
+
+from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError
+from kvstream.control import messages as m
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+__all__ = ["ControlBus", "Handler"]
+
+log = logging.getLogger("kvstream.control")
+
+# A handler gets a decoded message and its NATS headers; what it returns is the reply.
+Handler = Callable[[m.ControlUnion, dict[str, str]], Awaitable[m.ControlMessage | None]]
+
+
+class ControlBus:
+    """One NATS connection shared by an agent's control traffic."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._subs: list[Subscription] = []
+        self.malformed = 0
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str, timeout: float = 5.0) -> ControlBus:
+        try:
+            nc = await nats.connect(
+                url,
+                name=name,
+                connect_timeout=timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+                error_cb=_log_error,
+            )
+        except Exception as exc:  # nats raises OSError, TimeoutError or its own
+            raise ControlPlaneError(f"cannot connect to NATS at {url}: {exc}") from exc
+        return cls(nc)
+
+    async def request(
+        self, subject: str, msg: m.ControlMessage, *, timeout: float,
+        headers: dict[str, str] | None = None, peer: str | None = None,
+    ) -> m.ControlUnion:
+        try:
+            reply = await self._nc.request(subject, m.encode(msg), timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError as exc:
+            raise NoPeerError(f"no instance answers on {subject}", peer=peer) from exc
+        except nats.errors.TimeoutError as exc:
+            raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer) from exc
+        except nats.errors.Error as exc:
+            raise ControlPlaneError(f"NATS request on {subject} failed: {exc}") from exc
+        return m.decode(reply.data)
+
+    async def publish(
+        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
+    ) -> None:
+        try:
+            await self._nc.publish(subject, m.encode(msg), headers=headers)
+        except nats.errors.Error as exc:
+            raise ControlPlaneError(f"NATS publish on {subject} failed: {exc}") from exc
+
+    async def serve(self, subject: str, handler: Handler) -> None:
+        """Subscribe ``handler``; malformed input is logged, answered if possible, and survived."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                decoded = m.decode(msg.data)
+            except MessageDecodeError as exc:
+                self.malformed += 1
+                log.warning("dropped malformed message on %s: %s", msg.subject, exc)
+                if msg.reply:
+                    await self._safe_reply(msg, m.Reject(transfer_id="", code="malformed",
+                                                         reason=str(exc)))
+                return
+            try:
+                reply = await handler(decoded, dict(msg.headers or {}))
+            except Exception:
+                log.exception("control handler failed on %s", msg.subject)
+                return
+            if reply is not None and msg.reply:
+                await self._safe_reply(msg, reply)
+
+        try:
+            self._subs.append(await self._nc.subscribe(subject, cb=on_msg))
+        except nats.errors.Error as exc:
+            raise ControlPlaneError(f"cannot subscribe to {subject}: {exc}") from exc
+
+    async def _safe_reply(self, msg: Msg, reply: m.ControlMessage) -> None:
+        try:
+            await msg.respond(m.encode(reply))
+        except nats.errors.Error as exc:
+            log.warning("could not reply on %s: %s", msg.reply, exc)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        try:
+            await self._nc.flush(timeout=timeout)
+        except nats.errors.Error as exc:
+            raise ControlPlaneError(f"NATS flush failed: {exc}") from exc
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._subs.clear()
+        try:
+            await self._nc.drain()
+        except Exception:  # closing a broken connection must not mask the real error
+            await self._nc.close()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.debug("nats: %s", exc)

@@ -1,0 +1,160 @@
+"""Control-plane messages (NATS), one tagged union, MessagePack on the wire.
+
+Evolution rules (msgspec's schema-evolution guidance):
+  * new fields get a default and go last; never change a field's type;
+  * never reuse a tag; unknown fields are ignored (no ``forbid_unknown_fields``);
+  * bump ``PROTOCOL_VERSION`` when the meaning of a message changes and keep
+    ``MIN_PROTOCOL_VERSION`` at the oldest peer still understood.
+
+History:
+  1 - first release: announce/leave, manifest/accept/reject, done, abort/abort-ack.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from kvstream._exceptions import MessageDecodeError
+from kvstream.layout import KVLayout
+
+__all__ = [
+    "MIN_PROTOCOL_VERSION",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AbortAck",
+    "Accept",
+    "Announce",
+    "ControlMessage",
+    "ControlUnion",
+    "Done",
+    "Leave",
+    "Manifest",
+    "Reject",
+    "decode",
+    "encode",
+]
+
+PROTOCOL_VERSION: Final = 1
+MIN_PROTOCOL_VERSION: Final = 1
+
+Role = Literal["prefill", "decode", "both"]
+Mode = Literal["pipelined", "eager"]
+Status = Literal["completed", "failed", "aborted", "timed_out"]
+RejectCode = Literal[
+    "malformed", "incompatible", "invalid_blocks", "no_reservation", "busy", "duplicate",
+    "unknown_transfer",
+]
+
+
+class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
+    """Base of every control message; ``v`` is the sender's protocol version."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class Announce(ControlMessage, tag="kv.announce"):
+    """Periodic registry entry and heartbeat of one instance."""
+
+    instance_id: str
+    role: Role
+    worker_address: bytes
+    layout: KVLayout | None = None
+    load: float = 0.0
+    num_blocks: int = 0
+    heartbeat_s: float = 0.5
+    seq: int = 0
+
+
+class Leave(ControlMessage, tag="kv.leave"):
+    """Sent once by an instance that shuts down cleanly; peers fail its transfers now."""
+
+    instance_id: str
+
+
+class Manifest(ControlMessage, tag="kv.manifest"):
+    """Push offer from the source: everything the destination needs to accept it.
+
+    ``src_blocks[i]`` lands in ``dst_blocks[i]`` in every layer. An empty
+    ``dst_blocks`` means "the blocks you reserved for ``request_id``".
+    """
+
+    transfer_id: str
+    request_id: str
+    src: str
+    dst: str
+    src_address: bytes
+    src_tag: int
+    fingerprint: str
+    num_layers: int
+    src_blocks: list[int]
+    dst_blocks: list[int] = []
+    mode: Mode = "pipelined"
+    codec: str = "none"
+    payload_bytes: int = 0
+    deadline_s: float = 30.0
+
+
+class Accept(ControlMessage, tag="kv.accept"):
+    """The destination reserved receive state; ``dst_tag`` prefixes its data-plane tags."""
+
+    transfer_id: str
+    dst_tag: int
+    dst_address: bytes
+    dst_blocks: list[int]
+
+
+class Reject(ControlMessage, tag="kv.reject"):
+    transfer_id: str
+    code: RejectCode
+    reason: str
+
+
+class Done(ControlMessage, tag="kv.done"):
+    """Terminal outcome as one side saw it, sent to the other side once."""
+
+    transfer_id: str
+    request_id: str
+    status: Status
+    reason: str = ""
+    bytes: int = 0
+    layers: int = 0
+
+
+class Abort(ControlMessage, tag="kv.abort"):
+    """Stop the transfer; the receiver answers with AbortAck once nothing is in flight."""
+
+    transfer_id: str
+    request_id: str
+    reason: str
+    by: str
+
+
+class AbortAck(ControlMessage, tag="kv.abort_ack"):
+    transfer_id: str
+
+
+ControlUnion = Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_decoder: Final = msgspec.msgpack.Decoder(ControlUnion)
+
+
+def encode(msg: ControlMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> ControlUnion:
+    """Decode one control message; anything malformed is a ``MessageDecodeError``."""
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(f"malformed control message: {exc}") from exc
+    except Exception as exc:  # a Struct's __post_init__ (e.g. a bad KVLayout)
+        raise MessageDecodeError(f"invalid control message: {exc}") from exc
+    if msg.v < MIN_PROTOCOL_VERSION:
+        raise MessageDecodeError(
+            f"protocol version {msg.v} is older than the oldest supported ({MIN_PROTOCOL_VERSION})"
+        )
+    return msg

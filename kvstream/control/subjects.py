@@ -1,0 +1,43 @@
+"""NATS subject names: every subject kvstream uses is built here, under one namespace."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from kvstream._exceptions import ConfigError
+
+__all__ = ["Subjects"]
+
+_TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check(kind: str, value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ConfigError(
+            f"{kind} {value!r} must be letters, digits, '_' or '-' (it becomes a NATS subject token)"
+        )
+    return value
+
+
+class Subjects:
+    """``kvs.<ns>.inst.<id>.ctl`` (per-instance control: manifests, aborts, done),
+    ``kvs.<ns>.registry.<id>`` (announcements and heartbeats)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = _check("namespace", namespace)
+        self.prefix = f"kvs.{namespace}"
+
+    def control(self, instance_id: str) -> str:
+        return f"{self.prefix}.inst.{_check('instance id', instance_id)}.ctl"
+
+    def registry(self, instance_id: str) -> str:
+        return f"{self.prefix}.registry.{_check('instance id', instance_id)}"
+
+    @property
+    def registry_all(self) -> str:
+        return f"{self.prefix}.registry.*"
+
+    @staticmethod
+    def check_instance_id(instance_id: str) -> str:
+        return _check("instance id", instance_id)

@@ -1,0 +1,76 @@
+"""A bounded pool of reusable host staging buffers.
+
+Gathered sends and scattered receives go through here. The pool never holds
+more than ``max_bytes``; a request waits (bounded) for room, and one larger
+than the whole pool is refused at once. Freed buffers are kept for reuse, so a
+steady stream of transfers does not touch the allocator (or page-fault fresh
+memory) after the first few.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream._exceptions import ConfigError, TransferTimeout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["StagingPool"]
+
+
+class StagingPool:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ConfigError(f"staging pool size must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.in_use = 0
+        self._cached: list[torch.Tensor] = []
+        self._cached_bytes = 0
+        self._changed = anyio.Event()
+        self.peak = 0
+
+    async def acquire(self, nbytes: int, *, timeout: float) -> torch.Tensor:
+        """A uint8 tensor of at least ``nbytes``; waits up to ``timeout`` for room."""
+        import torch
+
+        if nbytes > self.max_bytes:
+            raise ConfigError(
+                f"a {nbytes}-byte layer does not fit the {self.max_bytes}-byte staging pool; "
+                "raise AgentConfig.staging_bytes"
+            )
+        try:
+            with anyio.fail_after(timeout):
+                while self.in_use + nbytes > self.max_bytes:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TransferTimeout(
+                f"staging pool full ({self.in_use} of {self.max_bytes} bytes) for {timeout}s"
+            ) from None
+        for i, buf in enumerate(self._cached):
+            if buf.numel() >= nbytes:
+                self._cached.pop(i)
+                self._cached_bytes -= buf.numel()
+                break
+        else:
+            # Evict cached buffers that would push us over the cap, then allocate.
+            while self._cached and self._cached_bytes + self.in_use + nbytes > self.max_bytes:
+                self._cached_bytes -= self._cached.pop(0).numel()
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.in_use += buf.numel()
+        self.peak = max(self.peak, self.in_use)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.in_use -= buf.numel()
+        if self.in_use + self._cached_bytes + buf.numel() <= self.max_bytes:
+            self._cached.append(buf)
+            self._cached_bytes += buf.numel()
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def clear(self) -> None:
+        self._cached.clear()
+        self._cached_bytes = 0

@@ -1,0 +1,144 @@
+"""What the engine holds for a transfer in flight: a send or a receive handle.
+
+The handle is the engine's view: mark layers ready (send side), await a layer
+or the whole transfer (receive side), abort. The agent drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream._exceptions import (
+    PeerLostError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeout,
+)
+from kvstream.transfer import Transfer, TransferResult, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.dataplane.memory import BlockMap
+
+__all__ = ["ReceiveHandle", "SendHandle", "error_for"]
+
+
+def error_for(result: TransferResult) -> TransferError:
+    """The exception that stands for a non-completed result."""
+    kind: type[TransferError] = {
+        TransferState.ABORTED.value: TransferAbortedError,
+        TransferState.TIMED_OUT.value: TransferTimeout,
+    }.get(result.status, TransferError)
+    if result.status == TransferState.FAILED.value and result.reason.startswith("peer lost"):
+        kind = PeerLostError
+    return kind(f"transfer {result.transfer_id} for request {result.request_id} "
+                f"{result.status}: {result.reason}", request_id=result.request_id, peer=result.peer)
+
+
+class _Handle:
+    def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]]) -> None:
+        self.transfer = transfer
+        self._aborter = aborter
+        self._finished = anyio.Event()
+        transfer.on_release(self._finished.set)
+
+    @property
+    def transfer_id(self) -> str:
+        return self.transfer.transfer_id
+
+    @property
+    def request_id(self) -> str:
+        return self.transfer.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.transfer.terminal
+
+    async def result(self) -> TransferResult:
+        """Wait for the terminal outcome; never raises for a failed transfer."""
+        await self._finished.wait()
+        return self.transfer.result()
+
+    async def wait(self) -> TransferResult:
+        """Wait for completion; raises the matching ``TransferError`` otherwise."""
+        result = await self.result()
+        if not result.ok:
+            raise error_for(result)
+        return result
+
+    async def abort(self, reason: str = "aborted by the engine") -> TransferResult:
+        """Stop the transfer on both sides; returns once this side has released everything."""
+        if not self.transfer.terminal:
+            await self._aborter(reason)
+        return await self.result()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.transfer!r}>"
+
+
+class SendHandle(_Handle):
+    """Prefill side: tell kvstream which layers are computed."""
+
+    def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]],
+                 *, eager: bool, blocks: BlockMap) -> None:
+        super().__init__(transfer, aborter)
+        self.eager = eager
+        self.blocks = blocks
+        self._ready = [anyio.Event() for _ in range(transfer.num_layers)]
+        self._all_ready = anyio.Event()
+        self._ready_count = 0
+        self.last_ready_at: float | None = None
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""
+        if not 0 <= layer < self.transfer.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.transfer.num_layers - 1}")
+        if self._ready[layer].is_set():
+            return
+        self._ready[layer].set()
+        self._ready_count += 1
+        if self._ready_count == self.transfer.num_layers:
+            self.last_ready_at = time.monotonic()
+            self._all_ready.set()
+
+    def all_ready(self) -> None:
+        for layer in range(self.transfer.num_layers):
+            self.layer_ready(layer)
+
+    async def until_sendable(self, layer: int) -> None:
+        if self.eager:
+            await self._all_ready.wait()
+        else:
+            await self._ready[layer].wait()
+
+
+class ReceiveHandle(_Handle):
+    """Decode side: await layers as they land in the reserved blocks."""
+
+    def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]],
+                 *, blocks: BlockMap) -> None:
+        super().__init__(transfer, aborter)
+        self.blocks = blocks
+        self._layer_events = [anyio.Event() for _ in range(transfer.num_layers)]
+        transfer.on_release(self._wake_all)
+
+    def _wake_all(self) -> None:
+        for ev in self._layer_events:
+            ev.set()
+
+    def mark_layer(self, layer: int) -> None:
+        if self.transfer.layer_done(layer):
+            self._layer_events[layer].set()
+
+    def layer_landed(self, layer: int) -> bool:
+        return self.transfer.layers_done[layer]
+
+    async def wait_layer(self, layer: int) -> None:
+        """Return once ``layer`` is in the reserved blocks; raises if the transfer failed first."""
+        if not self.transfer.layers_done[layer]:
+            await self._layer_events[layer].wait()
+        if not self.transfer.layers_done[layer]:
+            raise error_for(self.transfer.result())

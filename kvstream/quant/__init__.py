@@ -1,0 +1,1 @@
+"""FP8 and other wire codecs (see issue 5)."""

@@ -1,0 +1,372 @@
+"""The two halves of a push transfer on the data plane: SendStream and RecvStream.
+
+Flow per layer L (receiver-driven, so every send meets a posted receive):
+
+    D: post header + part receives for L (into engine blocks or staging)
+    D -> P: credit "layers < L+1 may come"               (8-byte tagged message)
+    P: wait until L is ready (pipelined) or all are (eager), and credited
+    P: gather L's blocks (or use them in place), send header, send parts
+    D: check header, scatter out of staging, mark L landed
+
+Ending rules (docs/architecture.md, "ending a transfer"): the receiver never
+releases a buffer with a receive still posted on it. A receive is completed by
+data, or drained with a zero-byte self-send, and draining happens only once the
+sender has promised to send nothing more (its AbortAck) or is gone (endpoint
+aborted). A sender acks an abort only after its in-flight sends completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from kvstream._exceptions import KVStreamError, ProtocolError
+from kvstream.dataplane import wire
+from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.transfer import TransferState
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.config import AgentConfig
+    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.dataplane.staging import StagingPool
+    from kvstream.dataplane.ucx import PostedRecv, UcxWorker
+
+__all__ = ["RecvStream", "SendStream", "StreamEnv"]
+
+log = logging.getLogger("kvstream.transfer")
+
+
+@dataclass
+class StreamEnv:
+    """What a stream needs from its agent."""
+
+    config: AgentConfig
+    worker: UcxWorker
+    memory: RegisteredKV
+    staging: StagingPool
+    # Ask the peer to abort; True if it acknowledged (nothing of ours is in flight there).
+    request_abort: Callable[[str, str, str], Awaitable[bool]]
+    publish_done: Callable[[str, Any], Awaitable[None]]
+    count: Callable[[str, int], None]
+
+
+class _Stream:
+    def __init__(self, env: StreamEnv, peer: str, peer_address: bytes) -> None:
+        self.env = env
+        self.peer = peer
+        self.peer_address = peer_address
+        self._outcome: tuple[TransferState, str] | None = None
+        self._peer_initiated = False
+        self._peer_dead = False
+        self._loop_scope = anyio.CancelScope()
+        self._io_scope = anyio.CancelScope()
+        self.stopped = anyio.Event()
+        # Set once nothing of ours is in flight toward the peer (what an AbortAck promises).
+        self.quiesced = anyio.Event()
+
+    def stop(self, state: TransferState, reason: str, *, by_peer: bool = False,
+             peer_dead: bool = False) -> None:
+        """Begin ending the transfer; the first outcome reported wins."""
+        if self._outcome is None:
+            self._outcome = (state, reason)
+            self._peer_initiated = by_peer
+        if peer_dead and not self._peer_dead:
+            self._peer_dead = True
+            self.env.worker.forget_peer(self.peer_address)
+            self._io_scope.cancel()
+        self._loop_scope.cancel()
+
+    async def _tell_peer(self, state: TransferState, reason: str) -> None:
+        """Unless the peer started the ending or is gone, get its promise to send nothing more."""
+        if self._peer_initiated or self._peer_dead:
+            return
+        t = self.handle.transfer  # type: ignore[attr-defined]
+        if not await self.env.request_abort(self.peer, t.transfer_id, reason):
+            self.stop(state, reason, peer_dead=True)
+
+
+class SendStream(_Stream):
+    def __init__(self, env: StreamEnv, handle: SendHandle, *, peer_address: bytes,
+                 src_tag: int, dst_tag: int) -> None:
+        super().__init__(env, handle.transfer.peer, peer_address)
+        self.handle = handle
+        self.src_tag = src_tag
+        self.dst_tag = dst_tag
+        self.granted = 0
+        self._credit_changed = anyio.Event()
+        self._credit_recv: PostedRecv | None = None
+        self.remote_done = anyio.Event()
+        self.remote_status: tuple[str, str] = ("", "")
+
+    def on_remote_done(self, status: str, reason: str) -> None:
+        self.remote_status = (status, reason)
+        self.remote_done.set()
+
+    async def _credit_loop(self) -> None:
+        buf = np.zeros(8, dtype=np.uint8)
+        tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
+        n = self.handle.transfer.num_layers
+        while self.granted < n:
+            self._credit_recv = self.env.worker.post_recv(buf, tag)
+            await self._credit_recv.wait()
+            self._credit_recv = None
+            if self._outcome is not None:
+                return
+            self.granted = max(self.granted, wire.decode_credit(buf.data))
+            self._credit_changed.set()
+            self._credit_changed = anyio.Event()
+
+    async def _send_layer(self, layer: int, parts: list[torch.Tensor], slot: torch.Tensor | None,
+                          limiter: anyio.Semaphore) -> None:
+        env, t = self.env, self.handle.transfer
+        try:
+            hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+            nbytes = sum(p.numel() * p.element_size() for p in parts)
+            used = wire.encode_header(
+                wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts)), hdr.data)
+            await env.worker.send(self.peer_address, hdr[:used],
+                                  wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))
+            for i, part in enumerate(parts):
+                await env.worker.send(self.peer_address, part,
+                                      wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + i))
+            t.layer_done(layer)
+            env.count("bytes_sent", nbytes)
+        finally:
+            if slot is not None:
+                env.staging.release(slot)
+            limiter.release()
+
+    async def _stream(self, sends: anyio.abc.TaskGroup) -> None:
+        try:
+            await self._stream_layers(sends)
+        except KVStreamError as exc:
+            # Stop here, but let sends already in flight complete (the peer's receives
+            # are posted for them), so no buffer is released under UCX.
+            self.stop(TransferState.FAILED, str(exc))
+
+    async def _stream_layers(self, sends: anyio.abc.TaskGroup) -> None:
+        env, h, t = self.env, self.handle, self.handle.transfer
+        mem, blocks = env.memory, h.blocks
+        limiter = anyio.Semaphore(env.config.max_inflight_layers)
+        direct = blocks.contiguous_start is not None
+        for layer in range(t.num_layers):
+            await h.until_sendable(layer)
+            while self.granted <= layer:
+                await self._credit_changed.wait()
+            await limiter.acquire()
+            slot = None
+            try:
+                if direct:
+                    parts = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+                else:
+                    nbytes = mem.planes * mem.plane_bytes(len(blocks))
+                    slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
+                    view = mem.staging_view(slot, len(blocks))
+                    await anyio.to_thread.run_sync(mem.gather, layer, blocks, view)
+                    parts = [view[p] for p in range(mem.planes)]
+            except BaseException:
+                if slot is not None:
+                    env.staging.release(slot)
+                limiter.release()
+                raise
+            sends.start_soon(self._send_layer, layer, parts, slot, limiter)
+
+    async def run(self) -> None:
+        _env, t = self.env, self.handle.transfer
+        t.streaming()
+        try:
+            async with anyio.create_task_group() as tg:
+                with self._io_scope:
+                    tg.start_soon(self._credit_loop)
+                    async with anyio.create_task_group() as sends:
+                        with self._loop_scope:
+                            await self._stream(sends)
+                    self.quiesced.set()
+                    if self._outcome is None:
+                        # A fresh scope: stop() cancels whichever loop scope is current.
+                        self._loop_scope = anyio.CancelScope()
+                        with self._loop_scope:
+                            await self.remote_done.wait()
+                            status, reason = self.remote_status
+                            self._outcome = (TransferState(status), reason)
+                            self._peer_initiated = True
+                    tg.cancel_scope.cancel()  # the credit loop, if credits are still owed
+        except KVStreamError as exc:
+            self.stop(TransferState.FAILED, str(exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+
+    async def _finish(self) -> None:
+        env, t = self.env, self.handle.transfer
+        state, reason = self._outcome or (TransferState.FAILED, "stream ended without an outcome")
+        if state is not TransferState.COMPLETED:
+            await self._tell_peer(state, reason)
+        if self._credit_recv is not None and not self._credit_recv.completed:
+            try:
+                await env.worker.drain(self._credit_recv.tag)
+            except KVStreamError as exc:
+                log.warning("%r: %s", t, exc)
+        if t.finish(state, reason):
+            env.count(state.value, 1)
+        self.quiesced.set()
+        self.stopped.set()
+
+
+class RecvStream(_Stream):
+    def __init__(self, env: StreamEnv, handle: ReceiveHandle, *, peer_address: bytes,
+                 src_tag: int, dst_tag: int) -> None:
+        super().__init__(env, handle.transfer.peer, peer_address)
+        self.handle = handle
+        self.src_tag = src_tag
+        self.dst_tag = dst_tag
+        self._posted: dict[int, list[PostedRecv]] = {}
+        self._slots: dict[int, torch.Tensor] = {}
+        self._released = False
+        self.quiesced.set()  # the receiver sends no data; only credits
+
+    def _post_layer(self, layer: int, slot: torch.Tensor | None) -> tuple[Any, list[Any]]:
+        mem, blocks = self.env.memory, self.handle.blocks
+        hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+        if slot is None:
+            targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+        else:
+            view = mem.staging_view(slot, len(blocks))
+            targets = [view[p] for p in range(mem.planes)]
+        posted = [self.env.worker.post_recv(hdr, wire.make_tag(self.dst_tag, layer,
+                                                               wire.KIND_HEADER))]
+        posted += [self.env.worker.post_recv(tgt, wire.make_tag(self.dst_tag, layer,
+                                                                wire.KIND_DATA + p))
+                   for p, tgt in enumerate(targets)]
+        self._posted[layer] = posted
+        return hdr, targets
+
+    async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
+        env, h = self.env, self.handle
+        try:
+            for req in self._posted[layer]:
+                await req.wait()
+            if self._outcome is not None:
+                return
+            header = wire.decode_header(hdr.data)
+            want = env.memory.planes * env.memory.plane_bytes(len(h.blocks))
+            if (header.xfer_tag, header.layer, header.nbytes) != (self.dst_tag, layer, want):
+                raise ProtocolError(
+                    f"layer {layer}: header says tag {header.xfer_tag:#x} layer {header.layer} "
+                    f"{header.nbytes} bytes; expected {self.dst_tag:#x}, {layer}, {want}")
+            slot = self._slots.get(layer)
+            if slot is not None:
+                view = env.memory.staging_view(slot, len(h.blocks))
+                await anyio.to_thread.run_sync(env.memory.scatter, layer, h.blocks, view)
+            del self._posted[layer]
+            h.mark_layer(layer)
+            env.count("bytes_received", want)
+            if h.transfer.all_layers_done:
+                self._outcome = self._outcome or (TransferState.COMPLETED, "")
+                self._loop_scope.cancel()
+        except KVStreamError as exc:
+            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
+        finally:
+            posted = self._posted.get(layer)
+            # A slot with a receive still posted on it is released after the drain.
+            if posted is None or all(r.completed for r in posted):
+                slot = self._slots.pop(layer, None)
+                if slot is not None:
+                    env.staging.release(slot)
+            limiter.release()
+
+    async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
+        env, h, t = self.env, self.handle, self.handle.transfer
+        mem = env.memory
+        direct = h.blocks.contiguous_start is not None
+        window = t.num_layers if direct else env.config.max_inflight_layers
+        limiter = anyio.Semaphore(window)
+        credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
+        nbytes = mem.planes * mem.plane_bytes(len(h.blocks))
+        credited = 0
+
+        async def flush_credit(upto: int) -> None:
+            nonlocal credited
+            if upto > credited:
+                # One cumulative credit for every layer posted so far.
+                await env.worker.send(self.peer_address, wire.encode_credit(upto), credit_tag)
+                credited = upto
+
+        for layer in range(t.num_layers):
+            try:
+                limiter.acquire_nowait()
+            except anyio.WouldBlock:
+                await flush_credit(layer)
+                await limiter.acquire()
+            slot = None
+            if not direct:
+                try:
+                    slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
+                except BaseException:
+                    limiter.release()
+                    raise
+                self._slots[layer] = slot
+            hdr, _ = self._post_layer(layer, slot)
+            lands.start_soon(self._land_layer, layer, hdr, limiter)
+        await flush_credit(t.num_layers)
+        await anyio.sleep_forever()  # until the last layer lands (or the transfer stops)
+
+    async def run(self) -> None:
+        t = self.handle.transfer
+        t.streaming()
+        try:
+            async with anyio.create_task_group() as lands:
+                with self._loop_scope:
+                    try:
+                        await self._stream(lands)
+                    except KVStreamError as exc:
+                        self.stop(TransferState.FAILED, str(exc))
+                # Landing tasks still wait on posted receives unless the transfer completed.
+                if self._posted:
+                    await self._release_posted()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+
+    async def _release_posted(self) -> None:
+        """Make sure no receive stays posted: ask the sender to stop, then drain."""
+        if self._released:
+            return
+        self._released = True
+        env, t = self.env, self.handle.transfer
+        state, reason = self._outcome or (TransferState.FAILED, "receive stopped")
+        await self._tell_peer(state, reason)
+        pending = [req for posted in self._posted.values() for req in posted if not req.completed]
+        for req in pending:
+            try:
+                await env.worker.drain(req.tag)
+            except KVStreamError as exc:
+                log.warning("%r: %s", t, exc)
+        with anyio.move_on_after(env.config.request_timeout_s):
+            for req in pending:
+                with contextlib.suppress(KVStreamError):
+                    await req.wait()
+
+    async def _finish(self) -> None:
+        env, t = self.env, self.handle.transfer
+        if self._posted:
+            # Reached when cancellation skipped the orderly path in run().
+            await self._release_posted()
+        for slot in self._slots.values():
+            env.staging.release(slot)
+        self._slots.clear()
+        state, reason = self._outcome or (TransferState.FAILED, "stream ended without an outcome")
+        if t.finish(state, reason):
+            env.count(state.value, 1)
+            if state is TransferState.COMPLETED:
+                await env.publish_done(self.peer, t.result())
+        self.quiesced.set()
+        self.stopped.set()

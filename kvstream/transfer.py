@@ -1,0 +1,146 @@
+"""The transfer lifecycle as pure, synchronous bookkeeping.
+
+No I/O and no awaiting here: the async layer (``handles``, ``sender``,
+``receiver``) performs the I/O and reports events. What this module
+guarantees, and tests check directly: a transfer reaches exactly one terminal
+state, the first report wins, and the release hooks run exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+__all__ = ["TERMINAL", "Side", "Transfer", "TransferResult", "TransferState"]
+
+
+class TransferState(enum.Enum):
+    NEGOTIATING = "negotiating"
+    STREAMING = "streaming"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    TIMED_OUT = "timed_out"
+
+
+TERMINAL: Final = frozenset(
+    {TransferState.COMPLETED, TransferState.FAILED, TransferState.ABORTED, TransferState.TIMED_OUT}
+)
+
+
+class Side(enum.Enum):
+    SEND = "send"
+    RECV = "recv"
+
+
+class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The one terminal outcome of a transfer, as one side saw it."""
+
+    transfer_id: str
+    request_id: str
+    side: str
+    peer: str
+    status: str
+    reason: str
+    bytes: int
+    layers: int
+    started_at: float
+    ended_at: float
+
+    @property
+    def seconds(self) -> float:
+        return self.ended_at - self.started_at
+
+    @property
+    def ok(self) -> bool:
+        return self.status == TransferState.COMPLETED.value
+
+
+class Transfer:
+    """State of one transfer on one side."""
+
+    def __init__(
+        self, *, transfer_id: str, request_id: str, side: Side, peer: str, num_layers: int,
+        layer_bytes: int, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+        self.side = side
+        self.peer = peer
+        self.num_layers = num_layers
+        self.layer_bytes = layer_bytes
+        self._clock = clock
+        self.state = TransferState.NEGOTIATING
+        self.reason = ""
+        self.started_at = clock()
+        self.ended_at: float | None = None
+        self.layers_done = [False] * num_layers
+        self.done_count = 0
+        self._release: list[Callable[[], None]] = []
+
+    def __repr__(self) -> str:
+        return (f"<Transfer {self.transfer_id[:8]} {self.side.value} peer={self.peer} "
+                f"{self.state.value} {self.done_count}/{self.num_layers} layers>")
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def bytes_done(self) -> int:
+        return self.done_count * self.layer_bytes
+
+    def on_release(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when the transfer ends (at once if it already has)."""
+        if self.terminal:
+            hook()
+        else:
+            self._release.append(hook)
+
+    def streaming(self) -> None:
+        if self.state is TransferState.NEGOTIATING:
+            self.state = TransferState.STREAMING
+
+    def layer_done(self, layer: int) -> bool:
+        """Record layer completion; False if already recorded or the transfer has ended."""
+        if self.terminal or self.layers_done[layer]:
+            return False
+        self.layers_done[layer] = True
+        self.done_count += 1
+        return True
+
+    @property
+    def all_layers_done(self) -> bool:
+        return self.done_count == self.num_layers
+
+    def finish(self, state: TransferState, reason: str = "") -> bool:
+        """Enter a terminal state; only the first call counts and runs the release hooks."""
+        if state not in TERMINAL:
+            raise ValueError(f"{state} is not terminal")
+        if self.terminal:
+            return False
+        self.state = state
+        self.reason = reason
+        self.ended_at = self._clock()
+        hooks, self._release = self._release, []
+        for hook in hooks:
+            hook()
+        return True
+
+    def result(self) -> TransferResult:
+        return TransferResult(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            side=self.side.value,
+            peer=self.peer,
+            status=self.state.value,
+            reason=self.reason,
+            bytes=self.bytes_done,
+            layers=self.done_count,
+            started_at=self.started_at,
+            ended_at=self.ended_at if self.ended_at is not None else self._clock(),
+        )
