@@ -1,0 +1,1 @@
+"""Benchmark and demo harness (kvstream bench, kvstream demo)."""

@@ -1,0 +1,68 @@
+"""Synthetic KV caches whose every 8 bytes are distinct, so misplaced bytes cannot pass."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvstream.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BenchSpec", "fill_layer", "make_cache", "pick_blocks"]
+
+
+class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one benchmark moves; both processes derive identical data from it."""
+
+    layout: KVLayout
+    tokens: int = 4096
+    cache_blocks: int = 0  # 0: twice the blocks the prompt needs
+    seed: int = 0
+    scattered: bool = True
+
+    @property
+    def blocks(self) -> int:
+        return self.layout.blocks_for_tokens(self.tokens)
+
+    @property
+    def num_cache_blocks(self) -> int:
+        return self.cache_blocks or 2 * self.blocks
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.blocks * self.layout.block_bytes * self.layout.num_layers
+
+
+def fill_layer(t: torch.Tensor, layer: int) -> None:
+    """Write the layer's pattern: int64 counters, offset by layer."""
+    import torch
+
+    flat = t.view(torch.uint8).view(torch.int64).view(-1)
+    n = flat.numel()
+    torch.arange(layer * n, (layer + 1) * n, dtype=torch.int64, out=flat)
+
+
+def make_cache(spec: BenchSpec, *, fill: bool) -> list[torch.Tensor]:
+    import torch
+
+    lay = spec.layout
+    shape = lay.tensor_shape(spec.num_cache_blocks)
+    layers = [torch.empty(shape, dtype=getattr(torch, lay.dtype)) for _ in range(lay.num_layers)]
+    for i, t in enumerate(layers):
+        if fill:
+            fill_layer(t, i)
+        else:
+            t.view(torch.uint8).zero_()  # touch every page before timing
+    return layers
+
+
+def pick_blocks(spec: BenchSpec, salt: int) -> list[int]:
+    """Block ids as a paged cache hands them out: scattered, or one run when not."""
+    if not spec.scattered:
+        return list(range(spec.blocks))
+    rng = random.Random(spec.seed * 1000 + salt)
+    return rng.sample(range(spec.num_cache_blocks), spec.blocks)
