@@ -417,6 +417,7 @@ class Agent:
         reason = f"peer lost: {self.registry.why_dead(peer)}"
         for stream in list(self._streams.values()):
             if stream.peer == peer:
+                log.warning("%r: %s", stream.handle.transfer, reason)
                 stream.stop(TransferState.FAILED, reason, peer_dead=True)
 
     async def _watchdog_loop(self) -> None:

@@ -183,8 +183,8 @@ class SendStream(_Stream):
         _env, t = self.env, self.handle.transfer
         t.streaming()
         try:
-            async with anyio.create_task_group() as tg:
-                with self._io_scope:
+            with self._io_scope:
+                async with anyio.create_task_group() as tg:
                     tg.start_soon(self._credit_loop)
                     async with anyio.create_task_group() as sends:
                         with self._loop_scope:
@@ -207,6 +207,7 @@ class SendStream(_Stream):
 
     async def _finish(self) -> None:
         env, t = self.env, self.handle.transfer
+        log.debug("%r: finishing with %s", t, self._outcome)
         state, reason = self._outcome or (TransferState.FAILED, "stream ended without an outcome")
         if state is not TransferState.COMPLETED:
             await self._tell_peer(state, reason)

@@ -71,7 +71,6 @@ def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -
     import torch
 
     from kvstream.bench.synthetic import fill_layer
-
     from kvstream.dataplane.memory import RegisteredKV
 
     src_map = mem.block_map(src_ids)

@@ -1,0 +1,59 @@
+"""Agents run in child processes for the integration tests (spawned, killed at will)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+
+from kvstream.layout import KVLayout
+
+
+def _cfg(instance_id: str, nats_url: str) -> Any:
+    from kvstream.config import AgentConfig
+
+    return AgentConfig(instance_id=instance_id, nats_url=nats_url, heartbeat_s=0.25,
+                       peer_timeout_s=1.0, request_timeout_s=1.0)
+
+
+def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
+                q: Any) -> None:
+    """Reserve ``blocks`` for ``request_id``, report, and wait for the transfer."""
+    from kvstream.agent import Agent
+    from tests.fakes import cache
+
+    layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
+
+    async def main() -> None:
+        async with Agent(_cfg("peer-decode", nats_url), layout=layout,
+                         kv_caches=cache(layout, 32, fill=False)) as agent:
+            handle = agent.expect(request_id, blocks)
+            q.put("ready")
+            result = await handle.result()
+            q.put(result.status)
+            await anyio.sleep(0.5)
+
+    anyio.run(main)
+
+
+def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
+                 blocks: list[int], ready_layers: int, q: Any) -> None:
+    """Push to ``dst``, mark only ``ready_layers`` layers ready, then hang (to be killed)."""
+    from kvstream.agent import Agent
+    from tests.fakes import cache
+
+    layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
+
+    async def main() -> None:
+        async with Agent(_cfg("peer-prefill", nats_url), layout=layout,
+                         kv_caches=cache(layout, 32, fill=True)) as agent:
+            handle = await agent.push(request_id, dst, blocks)
+            for layer in range(ready_layers):
+                handle.layer_ready(layer)
+            q.put("pushed")
+            await handle.result()
+            q.put("ended")
+            await anyio.sleep(60)
+
+    anyio.run(main)

@@ -1,0 +1,241 @@
+"""Real nats-server, real UCX endpoints, agents in separate processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import anyio
+import msgspec
+import nats
+import pytest
+import torch
+
+from kvstream import (
+    Agent,
+    AgentConfig,
+    IncompatiblePeerError,
+    InvalidBlockError,
+    KVLayout,
+    NoPeerError,
+    PeerLostError,
+    TransferAbortedError,
+    TransferError,
+)
+from kvstream.bench.runner import Harness
+from kvstream.bench.synthetic import BenchSpec
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from tests.fakes import cache, small_layout
+from tests.integration.peers import decode_peer, prefill_peer
+
+pytestmark = pytest.mark.anyio
+
+
+def cfg(instance_id: str, nats_server, **kw) -> AgentConfig:
+    return AgentConfig(instance_id=instance_id, nats_url=nats_server.url, heartbeat_s=0.25,
+                       peer_timeout_s=1.0, request_timeout_s=1.0, **kw)
+
+
+def assert_at_rest(*agents: Agent) -> None:
+    for a in agents:
+        s = a.statistics()
+        assert (s.transfers_active, s.reservations_active, s.staging_bytes_in_use) == (0, 0, 0), s
+
+
+async def settle(*agents: Agent, timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while any(a.statistics().transfers_active for a in agents):
+            await anyio.sleep(0.02)
+
+
+# -- bit-exact between two processes (the benchmark's own harness) --------------------------
+
+@pytest.mark.parametrize("arrangement,scattered", [("flash_nhd", True), ("flash_nhd", False),
+                                                    ("cpu_hnbc", True)])
+def test_bit_exact_between_processes(nats_server, arrangement, scattered):
+    lay = KVLayout(num_layers=6, num_kv_heads=2, head_dim=64, block_size=16,
+                   arrangement=arrangement)
+    spec = BenchSpec(layout=lay, tokens=16 * 24, scattered=scattered)
+    with Harness(spec, nats_url=nats_server.url, timeout_s=60) as h:
+        for mode in ("pipelined", "eager"):
+            run = h.run_kv(mode=mode, compute_ms=1.0)
+            assert run.status == "completed", run.reason
+            assert run.verified, f"{mode}: bytes differ"
+        stats = h.last_stats
+    assert stats["decode"]["bytes_received"] == 2 * spec.payload_bytes
+    assert stats["prefill"]["bytes_sent"] == 2 * spec.payload_bytes
+    for side in stats.values():
+        assert side["transfers_active"] == side["staging_bytes_in_use"] == 0
+
+
+# -- a decode agent that is missing or dies --------------------------------------------------
+
+async def test_missing_decode_agent_fails_fast(nats_server):
+    lay = small_layout()
+    async with Agent(cfg("p-missing", nats_server), layout=lay,
+                     kv_caches=cache(lay, 8, fill=True)) as p:
+        t = time.monotonic()
+        with pytest.raises(NoPeerError):
+            await p.push("r", "nobody-here", [1, 2])
+        assert time.monotonic() - t < 1.5
+        assert p.statistics().failed == 1
+        assert_at_rest(p)
+
+
+def _spawn(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, q), daemon=True)
+    proc.start()
+    return proc, q
+
+
+async def _get(q, timeout=30.0):
+    return await anyio.to_thread.run_sync(lambda: q.get(timeout=timeout))
+
+
+async def test_killed_decode_agent_fails_the_push(nats_server):
+    lay = small_layout(layers=6)
+    proc, q = _spawn(decode_peer, msgspec.msgpack.encode(lay), nats_server.url, "r-kill",
+                     [3, 9, 4])
+    try:
+        assert await _get(q) == "ready"
+        async with Agent(cfg("p-kill", nats_server), layout=lay,
+                         kv_caches=cache(lay, 16, fill=True)) as p:
+            handle = await p.push("r-kill", "peer-decode", [1, 5, 7])
+            handle.layer_ready(0)
+            await anyio.sleep(0.3)
+            proc.kill()
+            t = time.monotonic()
+            with anyio.fail_after(10):
+                result = await handle.result()
+            assert result.status == "failed" and result.reason.startswith("peer lost"), result
+            assert time.monotonic() - t < 5.0
+            with pytest.raises(PeerLostError):
+                await handle.wait()
+            await settle(p)
+            assert_at_rest(p)
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+async def test_killed_prefill_agent_fails_the_receive(nats_server):
+    lay = small_layout(layers=6)
+    async with Agent(cfg("d-kill", nats_server), layout=lay,
+                     kv_caches=cache(lay, 16, fill=False)) as d:
+        handle = d.expect("r-pkill", [0, 1, 2])
+        proc, q = _spawn(prefill_peer, msgspec.msgpack.encode(lay), nats_server.url, "r-pkill",
+                         "d-kill", [4, 8, 12], 2)
+        try:
+            assert await _get(q) == "pushed"
+            with anyio.fail_after(10):
+                await handle.wait_layer(1)
+            proc.kill()
+            with pytest.raises(PeerLostError), anyio.fail_after(10):
+                await handle.wait()
+            assert handle.layer_landed(1) and not handle.layer_landed(5)
+            await settle(d)
+            assert_at_rest(d)
+        finally:
+            proc.kill()
+            proc.join(5)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+async def test_invalid_block_ids_are_rejected_before_any_byte_moves(nats_server):
+    lay = small_layout()
+    async with Agent(cfg("p-bad", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
+            Agent(cfg("d-bad", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=False)) as d:
+        with pytest.raises(InvalidBlockError):
+            d.expect("r0", [1, 8])  # 8 is past the end
+        handle = d.expect("r1", [1, 2, 3])
+        with pytest.raises(InvalidBlockError):
+            await p.push("r1", "d-bad", [1, 2, 99])  # source side
+        with pytest.raises(InvalidBlockError):
+            await p.push("r1", "d-bad", [1, 2])  # does not map onto the reservation
+        with pytest.raises(InvalidBlockError):
+            await p.push("r1", "d-bad", [1, 2, 3], dst_blocks=[1, 2, 4])
+        with pytest.raises(TransferError, match="no blocks reserved"):
+            await p.push("unknown", "d-bad", [0, 1])
+        assert d.statistics().bytes_received == 0 and p.statistics().bytes_sent == 0
+        assert d.statistics().reservations_active == 1  # the reservation survives bad offers
+        await handle.abort("test over")
+        assert_at_rest(p, d)
+
+
+async def test_layout_mismatch_is_refused(nats_server):
+    lay, other = small_layout(), small_layout("flash_hnd")
+    async with Agent(cfg("p-lay", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
+            Agent(cfg("d-lay", nats_server), layout=other,
+                  kv_caches=cache(other, 8, fill=False)) as d:
+        d.expect("r", [0, 1])
+        with pytest.raises(IncompatiblePeerError):
+            await p.push("r", "d-lay", [0, 1])
+        assert p.statistics().failed == 1
+
+
+async def test_malformed_control_message_is_survived(nats_server):
+    lay = small_layout()
+    async with Agent(cfg("p-mal", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
+            Agent(cfg("d-mal", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=False)) as d:
+        nc = await nats.connect(nats_server.url)
+        try:
+            subj = Subjects("default")
+            reply = await nc.request(subj.control("d-mal"), b"\xc1garbage", timeout=2)
+            rejected = m.decode(reply.data)
+            assert isinstance(rejected, m.Reject) and rejected.code == "malformed"
+            wrong = msgspec.msgpack.encode({"op": "kv.manifest", "v": 1, "transfer_id": 3})
+            reply = await nc.request(subj.control("d-mal"), wrong, timeout=2)
+            assert m.decode(reply.data).code == "malformed"
+            await nc.publish(subj.registry("x"), b"not msgpack at all")
+            await nc.flush()
+        finally:
+            await nc.close()
+        # ... and it keeps serving: a real transfer still lands bit for bit.
+        rx = d.expect("r", [4, 2])
+        tx = await p.push("r", "d-mal", [0, 6])
+        tx.all_ready()
+        with anyio.fail_after(10):
+            await rx.wait()
+            await tx.wait()
+        for layer in range(lay.num_layers):
+            assert torch.equal(p.memory.read_block(layer, 0), d.memory.read_block(layer, 4))
+            assert torch.equal(p.memory.read_block(layer, 6), d.memory.read_block(layer, 2))
+        assert d.statistics().malformed_messages >= 2
+        await settle(p, d)
+        assert_at_rest(p, d)
+
+
+# -- aborts --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("who", ["decode", "prefill"])
+async def test_abort_mid_push_releases_both_sides(nats_server, who):
+    lay = small_layout(layers=8)
+    async with Agent(cfg(f"p-ab-{who}", nats_server), layout=lay,
+                     kv_caches=cache(lay, 16, fill=True)) as p, \
+            Agent(cfg(f"d-ab-{who}", nats_server), layout=lay,
+                  kv_caches=cache(lay, 16, fill=False)) as d:
+        rx = d.expect("r", [9, 3, 5])
+        tx = await p.push("r", f"d-ab-{who}", [1, 2, 4])
+        tx.layer_ready(0)
+        tx.layer_ready(1)
+        with anyio.fail_after(10):
+            await rx.wait_layer(1)
+        aborter = rx if who == "decode" else tx
+        with anyio.fail_after(10):
+            mine = await aborter.abort("changed my mind")
+            other = await (tx if who == "decode" else rx).result()
+        assert mine.status == other.status == "aborted"
+        with pytest.raises(TransferAbortedError):
+            await rx.wait()
+        # Layers after the abort never land.
+        tx.all_ready()
+        await anyio.sleep(0.2)
+        assert not rx.layer_landed(7)
+        assert d.memory.read_block(7, 9).count_nonzero() == 0
+        await settle(p, d)
+        assert_at_rest(p, d)
+        assert p.statistics().aborted == d.statistics().aborted == 1

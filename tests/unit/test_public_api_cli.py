@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kvstream
+from kvstream.cli import main
+
+
+def test_all_names_the_public_surface():
+    public = {n for n in dir(kvstream) if not n.startswith("_")} - {
+        "agent", "config", "control", "dataplane", "handles", "layout", "planner", "presets",
+        "streams", "transfer", "quant", "adapters", "bench", "cli"}
+    assert set(kvstream.__all__) == public
+    assert all(issubclass(getattr(kvstream, n), kvstream.KVStreamError)
+               for n in kvstream.__all__ if n.endswith("Error") or n == "TransferTimeout")
+
+
+def test_import_stays_light():
+    code = "import sys, kvstream; print(any(m in sys.modules for m in ('torch', 'ucxx')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_plan_json_reference(capsys):
+    main(["plan", "--model", "llama-2-70b", "--tokens", "4096", "--bandwidth", "50",
+          "--rtt-us", "5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_bytes_per_token"] == 327_680 and out["request_bytes"] == 1_342_177_280
+    assert out["transfer_ms"] == pytest.approx((1_342_177_280 / 50e9 + 5e-6) * 1e3)
+    assert out["verdict"] in ("fine", "watch", "does not pay")
+
+
+def test_plan_text_and_qps(capsys):
+    main(["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--link", "10gbe",
+          "--prefill-ms", "100", "--qps", "4"])
+    out = capsys.readouterr().out
+    assert "131,072 B" in out and "peak load" in out and "share of TTFT" in out
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["plan", "--model", "nope", "--link", "ib-400g"], 1),
+    (["plan", "--tokens", "abc"], 2),
+    (["plan", "--model", "llama-3-8b"], 1),  # no link
+    (["plan", "--layers", "2", "--link", "10gbe"], 1),
+])
+def test_argument_errors_are_one_line(argv, code, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvstream: error:") and "\n" not in err and "Traceback" not in err
