@@ -163,6 +163,7 @@ class Agent:
             raise ConfigError("KV memory is already registered with this agent")
         self.memory = RegisteredKV(layout, layers)
         self._layout = layout
+        self.staging.device = str(self.memory.device)
         return self.memory
 
     def _mem(self) -> RegisteredKV:

@@ -23,6 +23,7 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     cache_blocks: int = 0  # 0: twice the blocks the prompt needs
     seed: int = 0
     scattered: bool = True
+    progress_mode: str = "thread"
 
     @property
     def blocks(self) -> int:

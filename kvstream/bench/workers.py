@@ -46,11 +46,11 @@ class Event(msgspec.Struct, kw_only=True):
     stats: dict[str, int] = {}
 
 
-def _config(instance_id: str, nats_url: str, role: str) -> Any:
+def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
     from kvstream.config import AgentConfig
 
     return AgentConfig(instance_id=instance_id, role=role, nats_url=nats_url,  # type: ignore[arg-type]
-                       transfer_timeout_s=120.0)
+                       transfer_timeout_s=120.0, progress_mode=spec.progress_mode)
 
 
 def _stats(agent: Any) -> dict[str, int]:
@@ -100,7 +100,7 @@ async def _decode(spec: BenchSpec, nats_url: str, cmd_q: Any, evt_q: Any) -> Non
     from kvstream.bench.raw import raw_receive
 
     cache = make_cache(spec, fill=False)
-    async with Agent(_config("bench-decode", nats_url, "decode"), layout=spec.layout,
+    async with Agent(_config("bench-decode", nats_url, "decode", spec), layout=spec.layout,
                      kv_caches=cache) as agent:
         evt_q.put(Event(kind="up", address=agent.worker_address))
         async for cmd in _commands(cmd_q):
@@ -144,7 +144,7 @@ async def _prefill(spec: BenchSpec, nats_url: str, cmd_q: Any, evt_q: Any) -> No
     from kvstream.bench.raw import raw_send
 
     cache = make_cache(spec, fill=True)
-    async with Agent(_config("bench-prefill", nats_url, "prefill"), layout=spec.layout,
+    async with Agent(_config("bench-prefill", nats_url, "prefill", spec), layout=spec.layout,
                      kv_caches=cache) as agent:
         evt_q.put(Event(kind="up", address=agent.worker_address))
         async for cmd in _commands(cmd_q):

@@ -21,11 +21,27 @@ if TYPE_CHECKING:
 __all__ = ["StagingPool"]
 
 
+def _allocate(nbytes: int, device: str) -> torch.Tensor:
+    """Host buffers come from numpy, which asks Linux for transparent huge pages on large
+    allocations (torch does not): fewer page-table walks in every copy and far cheaper page
+    pinning when UCX's cma transport reads or writes them."""
+    import torch
+
+    if device != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+
+
 class StagingPool:
-    def __init__(self, max_bytes: int) -> None:
+    """Buffers live on ``device``: host memory, or the GPU when the KV cache is there."""
+
+    def __init__(self, max_bytes: int, device: str = "cpu") -> None:
         if max_bytes <= 0:
             raise ConfigError(f"staging pool size must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.device = device
         self.in_use = 0
         self._cached: list[torch.Tensor] = []
         self._cached_bytes = 0
@@ -58,7 +74,7 @@ class StagingPool:
             # Evict cached buffers that would push us over the cap, then allocate.
             while self._cached and self._cached_bytes + self.in_use + nbytes > self.max_bytes:
                 self._cached_bytes -= self._cached.pop(0).numel()
-            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = _allocate(nbytes, self.device)
         self.in_use += buf.numel()
         self.peak = max(self.peak, self.in_use)
         return buf

@@ -24,7 +24,7 @@ def test_gather_scatter_moves_exact_blocks(arr):
     for layer in range(lay.num_layers):
         src.gather(layer, s, src.staging_view(buf, 3))
         dst.scatter(layer, d, dst.staging_view(buf, 3))
-        for a, b in zip(s.ids, d.ids):
+        for a, b in zip(s.ids, d.ids, strict=True):
             assert torch.equal(src.read_block(layer, a), dst.read_block(layer, b))
         assert dst.read_block(layer, 3).count_nonzero() == 0  # untouched block stays zero
 
