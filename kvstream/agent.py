@@ -33,7 +33,7 @@ from kvstream.control.nats_server import DEFAULT_NATS_URL, EmbeddedNats, is_list
 from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
-from kvstream.dataplane.memory import RegisteredKV
+from kvstream.dataplane.memory import RegisteredKV, is_run
 from kvstream.dataplane.staging import StagingPool
 from kvstream.dataplane.ucx import UcxWorker
 from kvstream.handles import ReceiveHandle, SendHandle
@@ -240,7 +240,8 @@ class Agent:
         self.registry.contact(msg.src)
         dst_tag = wire.next_xfer_tag()
         stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
-                            src_tag=msg.src_tag, dst_tag=dst_tag)
+                            src_tag=msg.src_tag, dst_tag=dst_tag,
+                            src_contiguous=is_run(msg.src_blocks))
         self._run_stream(msg.transfer_id, stream)
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
                         dst_address=self.worker_address, dst_blocks=handle.blocks.ids)
@@ -300,7 +301,8 @@ class Agent:
             raise exc
         self.registry.contact(dst_instance)
         stream = SendStream(self._env(), handle, peer_address=reply.dst_address,
-                            src_tag=src_tag, dst_tag=reply.dst_tag)
+                            src_tag=src_tag, dst_tag=reply.dst_tag,
+                            dst_contiguous=is_run(reply.dst_blocks))
         self._run_stream(transfer.transfer_id, stream)
         return handle
 

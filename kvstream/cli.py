@@ -191,7 +191,8 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               default="float16", show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True,
+              help="timed rounds; the best of each side is reported")
 @click.option("--layer-compute-ms", type=click.FloatRange(min=0),
               help="simulated prefill compute per layer; reports exposed time pipelined vs eager")
 @click.option("--contiguous", is_flag=True, help="block ids in one run instead of scattered")

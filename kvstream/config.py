@@ -35,7 +35,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # How long an expect() reservation waits for the prefill side's manifest.
     reservation_timeout_s: float = 60.0
     staging_bytes: int = 256 * MiB
-    max_inflight_layers: int = 4
+    # Layers in flight per transfer (each staged layer holds one staging buffer).
+    max_inflight_layers: int = 8
     max_transfers: int = 1024
 
     def __post_init__(self) -> None:

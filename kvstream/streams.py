@@ -58,6 +58,14 @@ class StreamEnv:
     count: Callable[[str, int], None]
 
 
+def single_message(env: StreamEnv, src_contiguous: bool, dst_contiguous: bool) -> bool:
+    """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
+    as one message ``[header | payload]`` out of one staging buffer into another (one
+    rendezvous instead of one per plane plus a header); otherwise as a header message plus
+    one message per plane, so a contiguous end moves its blocks in place."""
+    return not src_contiguous and not dst_contiguous and env.memory.device.type == "cpu"
+
+
 class _Stream:
     def __init__(self, env: StreamEnv, peer: str, peer_address: bytes) -> None:
         self.env = env
@@ -95,11 +103,13 @@ class _Stream:
 
 class SendStream(_Stream):
     def __init__(self, env: StreamEnv, handle: SendHandle, *, peer_address: bytes,
-                 src_tag: int, dst_tag: int) -> None:
+                 src_tag: int, dst_tag: int, dst_contiguous: bool) -> None:
         super().__init__(env, handle.transfer.peer, peer_address)
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
+        self.single = single_message(env, handle.blocks.contiguous_start is not None,
+                                     dst_contiguous)
         self.granted = 0
         self._credit_changed = anyio.Event()
         self._credit_recv: PostedRecv | None = None
@@ -128,15 +138,21 @@ class SendStream(_Stream):
                           limiter: anyio.Semaphore) -> None:
         env, t = self.env, self.handle.transfer
         try:
-            hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
-            nbytes = sum(p.numel() * p.element_size() for p in parts)
-            used = wire.encode_header(
-                wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts)), hdr.data)
-            await env.worker.send(self.peer_address, hdr[:used],
-                                  wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))
-            for i, part in enumerate(parts):
-                await env.worker.send(self.peer_address, part,
-                                      wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + i))
+            nbytes = env.memory.planes * env.memory.plane_bytes(len(self.handle.blocks))
+            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts))
+            if self.single:
+                assert slot is not None  # single framing always stages
+                wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
+                await env.worker.send(self.peer_address, slot,
+                                      wire.make_tag(self.dst_tag, layer, wire.KIND_DATA))
+            else:
+                hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+                used = wire.encode_header(header, hdr.data)
+                await env.worker.send(self.peer_address, hdr[:used],
+                                      wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))
+                for i, part in enumerate(parts):
+                    await env.worker.send(self.peer_address, part,
+                                          wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + i))
             t.layer_done(layer)
             env.count("bytes_sent", nbytes)
         finally:
@@ -167,9 +183,10 @@ class SendStream(_Stream):
                 if direct:
                     parts = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
                 else:
-                    nbytes = mem.planes * mem.plane_bytes(len(blocks))
+                    prefix = wire.HEADER_CAPACITY if self.single else 0
+                    nbytes = prefix + mem.planes * mem.plane_bytes(len(blocks))
                     slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
-                    view = mem.staging_view(slot, len(blocks))
+                    view = mem.staging_view(slot[prefix:], len(blocks))
                     await anyio.to_thread.run_sync(mem.gather, layer, blocks, view)
                     parts = [view[p] for p in range(mem.planes)]
             except BaseException:
@@ -224,31 +241,36 @@ class SendStream(_Stream):
 
 class RecvStream(_Stream):
     def __init__(self, env: StreamEnv, handle: ReceiveHandle, *, peer_address: bytes,
-                 src_tag: int, dst_tag: int) -> None:
+                 src_tag: int, dst_tag: int, src_contiguous: bool) -> None:
         super().__init__(env, handle.transfer.peer, peer_address)
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
+        self.single = single_message(env, src_contiguous, handle.blocks.contiguous_start is not None)
         self._posted: dict[int, list[PostedRecv]] = {}
         self._slots: dict[int, torch.Tensor] = {}
         self._released = False
         self.quiesced.set()  # the receiver sends no data; only credits
 
-    def _post_layer(self, layer: int, slot: torch.Tensor | None) -> tuple[Any, list[Any]]:
-        mem, blocks = self.env.memory, self.handle.blocks
+    def _post_layer(self, layer: int, slot: torch.Tensor | None) -> Any:
+        """Post this layer's receives now; returns the buffer its header will land in."""
+        mem, blocks, worker = self.env.memory, self.handle.blocks, self.env.worker
+        if self.single:
+            assert slot is not None  # single framing always stages
+            self._posted[layer] = [worker.post_recv(slot, wire.make_tag(self.dst_tag, layer,
+                                                                        wire.KIND_DATA))]
+            return slot[:wire.HEADER_CAPACITY].numpy()
         hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
         if slot is None:
             targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
         else:
             view = mem.staging_view(slot, len(blocks))
             targets = [view[p] for p in range(mem.planes)]
-        posted = [self.env.worker.post_recv(hdr, wire.make_tag(self.dst_tag, layer,
-                                                               wire.KIND_HEADER))]
-        posted += [self.env.worker.post_recv(tgt, wire.make_tag(self.dst_tag, layer,
-                                                                wire.KIND_DATA + p))
+        posted = [worker.post_recv(hdr, wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))]
+        posted += [worker.post_recv(tgt, wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + p))
                    for p, tgt in enumerate(targets)]
         self._posted[layer] = posted
-        return hdr, targets
+        return hdr
 
     async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
@@ -265,7 +287,8 @@ class RecvStream(_Stream):
                     f"{header.nbytes} bytes; expected {self.dst_tag:#x}, {layer}, {want}")
             slot = self._slots.get(layer)
             if slot is not None:
-                view = env.memory.staging_view(slot, len(h.blocks))
+                prefix = wire.HEADER_CAPACITY if self.single else 0
+                view = env.memory.staging_view(slot[prefix:], len(h.blocks))
                 await anyio.to_thread.run_sync(env.memory.scatter, layer, h.blocks, view)
             del self._posted[layer]
             h.mark_layer(layer)
@@ -292,6 +315,8 @@ class RecvStream(_Stream):
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
         nbytes = mem.planes * mem.plane_bytes(len(h.blocks))
+        if self.single:
+            nbytes += wire.HEADER_CAPACITY
         credited = 0
 
         async def flush_credit(upto: int) -> None:
@@ -315,7 +340,7 @@ class RecvStream(_Stream):
                     limiter.release()
                     raise
                 self._slots[layer] = slot
-            hdr, _ = self._post_layer(layer, slot)
+            hdr = self._post_layer(layer, slot)
             lands.start_soon(self._land_layer, layer, hdr, limiter)
         await flush_credit(t.num_layers)
         await anyio.sleep_forever()  # until the last layer lands (or the transfer stops)

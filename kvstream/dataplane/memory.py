@@ -21,7 +21,7 @@ from kvstream.layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BlockMap", "RegisteredKV"]
+__all__ = ["BlockMap", "RegisteredKV", "is_run"]
 
 
 def _elem_dtype(chunk_bytes: int) -> torch.dtype:
@@ -33,6 +33,11 @@ def _elem_dtype(chunk_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
+def is_run(ids: Sequence[int]) -> bool:
+    """True when ``ids`` are consecutive ascending block ids (one contiguous run per plane)."""
+    return bool(ids) and list(ids) == list(range(ids[0], ids[0] + len(ids)))
+
+
 class BlockMap:
     """Validated block ids of one side of a transfer, with the index tensor prepared once."""
 
@@ -40,9 +45,7 @@ class BlockMap:
         import torch
 
         self.ids = list(ids)
-        self.contiguous_start: int | None = None
-        if self.ids and self.ids == list(range(self.ids[0], self.ids[0] + len(self.ids))):
-            self.contiguous_start = self.ids[0]
+        self.contiguous_start: int | None = self.ids[0] if is_run(self.ids) else None
         self.index = torch.tensor(self.ids, dtype=torch.int64, device=device)
 
     def __len__(self) -> int:

@@ -44,13 +44,13 @@ class StagingPool:
         self.device = device
         self.in_use = 0
         self._cached: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> the whole buffer
         self._cached_bytes = 0
         self._changed = anyio.Event()
         self.peak = 0
 
     async def acquire(self, nbytes: int, *, timeout: float) -> torch.Tensor:
-        """A uint8 tensor of at least ``nbytes``; waits up to ``timeout`` for room."""
-        import torch
+        """A uint8 tensor of exactly ``nbytes``; waits up to ``timeout`` for room."""
 
         if nbytes > self.max_bytes:
             raise ConfigError(
@@ -77,9 +77,11 @@ class StagingPool:
             buf = _allocate(nbytes, self.device)
         self.in_use += buf.numel()
         self.peak = max(self.peak, self.in_use)
-        return buf
+        self._lent[buf.data_ptr()] = buf
+        return buf[:nbytes]
 
-    def release(self, buf: torch.Tensor) -> None:
+    def release(self, view: torch.Tensor) -> None:
+        buf = self._lent.pop(view.data_ptr())
         self.in_use -= buf.numel()
         if self.in_use + self._cached_bytes + buf.numel() <= self.max_bytes:
             self._cached.append(buf)
