@@ -1,0 +1,42 @@
+"""The CLI's main jobs end to end, small: real NATS, real processes, real UCX."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+BENCH_KEYS = {"verified", "kvstream_gbps", "ucx_gbps", "ratio", "exposed_ms_pipelined",
+              "exposed_ms_eager", "ucx_wire_gbps", "payload_bytes"}
+
+
+def _kvstream(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstream.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_bench_json_small(nats_server):
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--layer-compute-ms", "2", "--json",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert set(result) >= BENCH_KEYS
+    assert result["verified"] is True
+    assert result["payload_bytes"] == 4 * 32 * 2 * 16 * 2 * 64 * 2
+    assert result["kvstream_gbps"] > 0 and result["ucx_gbps"] > 0
+    assert result["exposed_ms_pipelined"] > 0 and result["exposed_ms_eager"] > 0
+
+
+def test_demo_runs_and_verifies(nats_server):
+    out = _kvstream("demo", "--tokens", "256", "--layer-compute-ms", "1",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "verified byte for byte" in out.stdout and "yes" in out.stdout
+    assert "planner on ib-400g" in out.stdout
+
+
+def test_bench_bad_argument_is_one_line():
+    out = _kvstream("bench", "--tokens", "-5")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("kvstream: error:") and "\n" not in out.stderr.strip()
