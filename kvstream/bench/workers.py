@@ -90,79 +90,73 @@ def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -
     return True
 
 
-def decode_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
-    spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
-    anyio.run(_decode, spec, nats_url, cmd_q, evt_q)
-
-
-async def _decode(spec: BenchSpec, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
+async def _serve(spec: BenchSpec, nats_url: str, role: str, cmd_q: Any, evt_q: Any,
+                 handle_cmd: Any) -> None:
+    """One agent, one command at a time; a failed command is reported, not fatal."""
     from kvstream.agent import Agent
-    from kvstream.bench.raw import raw_receive
 
-    cache = make_cache(spec, fill=False)
-    async with Agent(_config("bench-decode", nats_url, "decode", spec), layout=spec.layout,
+    cache = make_cache(spec, fill=role == "prefill")
+    async with Agent(_config(f"bench-{role}", nats_url, role, spec), layout=spec.layout,
                      kv_caches=cache) as agent:
         evt_q.put(Event(kind="up", address=agent.worker_address))
         async for cmd in _commands(cmd_q):
             try:
-                if cmd.op == "raw":
-                    t = await raw_receive(agent.memory, agent.memory.block_map(cmd.blocks),
-                                          cmd.run, wire=cmd.wire,
-                                          ready=lambda c=cmd: evt_q.put(Event(kind="ready",
-                                                                              run=c.run)))
-                    evt_q.put(Event(kind="done", run=cmd.run, t=t, status="completed"))
-                    continue
-                handle = agent.expect(cmd.request_id, cmd.blocks)
-                evt_q.put(Event(kind="ready", run=cmd.run))
-                if cmd.report_layers:
-                    for layer in range(spec.layout.num_layers):
-                        try:
-                            await handle.wait_layer(layer)
-                        except Exception:
-                            break
-                        evt_q.put(Event(kind="layer", run=cmd.run, layer=layer, t=time.monotonic()))
-                result = await handle.result()
-                t_end = time.monotonic() if result.ok else 0.0
-                verified = False
-                if result.ok and cmd.verify:
-                    verified = await anyio.to_thread.run_sync(
-                        _verify, spec, agent.memory, cmd.src_blocks, cmd.blocks)
-                evt_q.put(Event(kind="done", run=cmd.run, t=result.ended_at or t_end,
-                                status=result.status, reason=result.reason, verified=verified,
-                                stats=_stats(agent)))
+                evt_q.put(await handle_cmd(agent, cmd))
             except Exception as exc:
                 evt_q.put(Event(kind="error", run=cmd.run, reason=f"{type(exc).__name__}: {exc}"))
+
+
+def decode_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
+    spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+
+    async def handle_cmd(agent: Any, cmd: Cmd) -> Event:
+        from kvstream.bench.raw import raw_receive
+
+        def ready() -> None:
+            evt_q.put(Event(kind="ready", run=cmd.run))
+
+        if cmd.op == "raw":
+            t = await raw_receive(agent.memory, agent.memory.block_map(cmd.blocks), cmd.run,
+                                  wire=cmd.wire, ready=ready)
+            return Event(kind="done", run=cmd.run, t=t, status="completed")
+        handle = agent.expect(cmd.request_id, cmd.blocks)
+        ready()
+        if cmd.report_layers:
+            for layer in range(spec.layout.num_layers):
+                try:
+                    await handle.wait_layer(layer)
+                except Exception:
+                    break
+                evt_q.put(Event(kind="layer", run=cmd.run, layer=layer, t=time.monotonic()))
+        result = await handle.result()
+        verified = False
+        if result.ok and cmd.verify:
+            verified = await anyio.to_thread.run_sync(
+                _verify, spec, agent.memory, cmd.src_blocks, cmd.blocks)
+        return Event(kind="done", run=cmd.run, t=result.ended_at, status=result.status,
+                     reason=result.reason, verified=verified, stats=_stats(agent))
+
+    anyio.run(_serve, spec, nats_url, "decode", cmd_q, evt_q, handle_cmd)
 
 
 def prefill_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
-    anyio.run(_prefill, spec, nats_url, cmd_q, evt_q)
 
+    async def handle_cmd(agent: Any, cmd: Cmd) -> Event:
+        from kvstream.bench.raw import raw_send
 
-async def _prefill(spec: BenchSpec, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
-    from kvstream.agent import Agent
-    from kvstream.bench.raw import raw_send
+        if cmd.op == "raw":
+            t0 = await raw_send(agent.memory, agent.memory.block_map(cmd.blocks), cmd.run,
+                                cmd.peer_address, wire=cmd.wire)
+            return Event(kind="done", run=cmd.run, t0=t0, status="completed")
+        t0 = time.monotonic()
+        handle = await agent.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode)
+        for layer in range(spec.layout.num_layers):
+            if cmd.compute_ms:
+                await anyio.sleep(cmd.compute_ms / 1e3)  # the GPU computing layer L
+            handle.layer_ready(layer)
+        result = await handle.result()
+        return Event(kind="done", run=cmd.run, t0=t0, t_last_ready=handle.last_ready_at or 0.0,
+                     status=result.status, reason=result.reason, stats=_stats(agent))
 
-    cache = make_cache(spec, fill=True)
-    async with Agent(_config("bench-prefill", nats_url, "prefill", spec), layout=spec.layout,
-                     kv_caches=cache) as agent:
-        evt_q.put(Event(kind="up", address=agent.worker_address))
-        async for cmd in _commands(cmd_q):
-            try:
-                if cmd.op == "raw":
-                    t0 = await raw_send(agent.memory, agent.memory.block_map(cmd.blocks), cmd.run,
-                                        cmd.peer_address, wire=cmd.wire)
-                    evt_q.put(Event(kind="done", run=cmd.run, t0=t0, status="completed"))
-                    continue
-                t0 = time.monotonic()
-                handle = await agent.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode)
-                for layer in range(spec.layout.num_layers):
-                    if cmd.compute_ms:
-                        await anyio.sleep(cmd.compute_ms / 1e3)  # the GPU computing layer L
-                    handle.layer_ready(layer)
-                result = await handle.result()
-                evt_q.put(Event(kind="done", run=cmd.run, t0=t0,
-                                t_last_ready=handle.last_ready_at or 0.0,
-                                status=result.status, reason=result.reason, stats=_stats(agent)))
-            except Exception as exc:
-                evt_q.put(Event(kind="error", run=cmd.run, reason=f"{type(exc).__name__}: {exc}"))
+    anyio.run(_serve, spec, nats_url, "prefill", cmd_q, evt_q, handle_cmd)
