@@ -239,3 +239,20 @@ async def test_abort_mid_push_releases_both_sides(nats_server, who):
         await settle(p, d)
         assert_at_rest(p, d)
         assert p.statistics().aborted == d.statistics().aborted == 1
+
+
+async def test_agent_without_url_uses_or_starts_nats_on_the_default_url():
+    from kvstream.control.nats_server import DEFAULT_NATS_URL, is_listening
+
+    was_listening = is_listening(DEFAULT_NATS_URL)
+    lay = small_layout()
+    async with Agent(AgentConfig(instance_id="no-url", heartbeat_s=0.25, peer_timeout_s=1.0),
+                     layout=lay, kv_caches=cache(lay, 4, fill=False)) as a, \
+            Agent(AgentConfig(instance_id="no-url-2", heartbeat_s=0.25, peer_timeout_s=1.0),
+                  layout=lay, kv_caches=cache(lay, 4, fill=False)) as b:
+        assert a.nats_url == b.nats_url == DEFAULT_NATS_URL
+        with anyio.fail_after(5):
+            while not any(p.instance_id == "no-url" for p in b.peers()):
+                await anyio.sleep(0.05)
+    # An embedded server belongs to the agent that started it and ends with it.
+    assert is_listening(DEFAULT_NATS_URL) == was_listening
