@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -76,6 +76,12 @@ _REJECT_ERRORS: dict[str, type[KVStreamError]] = {
 }
 
 
+async def _shielded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) -> None:
+    """Run a release step even when the owner is being cancelled, bounded in time."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+        await close()
+
+
 class Agent:
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
 
@@ -122,10 +128,10 @@ class Agent:
                 self._stack.callback(self._nats.stop)
         self.nats_url = url
         self._bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}")
-        self._stack.push_async_callback(self._bus.close)
+        self._stack.push_async_callback(_shielded, self._bus.close)
         self._worker = await UcxWorker.open(progress_mode=cfg.progress_mode,
                                             error_handling=cfg.ucx_error_handling)
-        self._stack.push_async_callback(self._worker.close)
+        self._stack.push_async_callback(_shielded, self._worker.close)
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.push_async_callback(self._shutdown)
         await self._bus.serve(self.subjects.control(cfg.instance_id), self._on_control)
@@ -165,6 +171,21 @@ class Agent:
         self._layout = layout
         self.staging.device = str(self.memory.device)
         return self.memory
+
+    async def unregister_kv(self, reason: str = "KV memory unregistered") -> None:
+        """Abort every transfer and reservation, then drop the memory (and staging buffers).
+
+        Returns once nothing can write into the old memory any more.
+        """
+        for handle in list(self._reservations.values()):
+            self._end_reservation(handle, TransferState.ABORTED, reason)
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.stop(TransferState.ABORTED, reason)
+        for stream in streams:
+            await stream.stopped.wait()
+        self.memory = None
+        self.staging.clear()
 
     def _mem(self) -> RegisteredKV:
         if self.memory is None:

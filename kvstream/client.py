@@ -1,0 +1,333 @@
+"""``kvstream.Client``: one async API whether the Agent is in this process or in a sidecar.
+
+    async with Client.local(agent) as client: ...          # in-process agent
+    async with Client.connect("/run/kvstream.sock") as client: ...   # sidecar
+
+Both give handles with the same methods: receive handles ``wait_layer``,
+``layer_landed``, ``wait``, ``result``, ``abort``; send handles ``layer_ready``,
+``all_ready``, ``wait``, ``result``, ``abort``. ``BlockingClient`` wraps the sidecar
+client for engines whose loop is synchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from kvstream import _exceptions as errors
+from kvstream._exceptions import ControlPlaneError, KVStreamError
+from kvstream.handles import error_for
+from kvstream.layout import KVLayout
+from kvstream.shm import SharedKV
+from kvstream.sidecar import protocol as lp
+from kvstream.sidecar.server import read_frame
+from kvstream.transfer import TransferResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.agent import Agent
+
+__all__ = ["Client", "RemoteReceive", "RemoteSend", "SidecarLostError"]
+
+log = logging.getLogger("kvstream.client")
+
+
+class SidecarLostError(ControlPlaneError):
+    """The sidecar process went away; its transfers cannot be followed any more."""
+
+
+def _error(kind: str, message: str) -> KVStreamError:
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, KVStreamError):
+        return cls(message)
+    return KVStreamError(f"{kind}: {message}")
+
+
+class _RemoteHandle:
+    def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str):
+        self._client = client
+        self.hid = hid
+        self.request_id = request_id
+        self.num_layers = num_layers
+        self._result: TransferResult | None = None
+        self._finished = anyio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def _finish(self, result: TransferResult) -> None:
+        if self._result is None:
+            self._result = result
+            self._finished.set()
+
+    async def result(self) -> TransferResult:
+        await self._finished.wait()
+        assert self._result is not None
+        return self._result
+
+    async def wait(self) -> TransferResult:
+        result = await self.result()
+        if not result.ok:
+            raise error_for(result)
+        return result
+
+    async def abort(self, reason: str = "aborted by the engine") -> TransferResult:
+        if not self.done:
+            with contextlib.suppress(KVStreamError):
+                await self._client.request(lp.Abort(handle=self.hid, reason=reason))
+        return await self.result()
+
+
+class RemoteReceive(_RemoteHandle):
+    """Decode side, sidecar flavour; ``layer_landed`` is a local check (no round trip)."""
+
+    def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str):
+        super().__init__(client, hid, num_layers, request_id)
+        self.landed = [False] * num_layers
+        self._events = [anyio.Event() for _ in range(num_layers)]
+
+    def _mark(self, layer: int) -> None:
+        if 0 <= layer < self.num_layers and not self.landed[layer]:
+            self.landed[layer] = True
+            self._events[layer].set()
+
+    def _finish(self, result: TransferResult) -> None:
+        super()._finish(result)
+        for ev in self._events:
+            ev.set()
+
+    def layer_landed(self, layer: int) -> bool:
+        return self.landed[layer]
+
+    async def wait_layer(self, layer: int) -> None:
+        if self.landed[layer]:
+            return
+        await self._events[layer].wait()
+        if not self.landed[layer]:
+            assert self._result is not None
+            raise error_for(self._result)
+
+
+class RemoteSend(_RemoteHandle):
+    """Prefill side, sidecar flavour; ``layer_ready`` queues one small frame, no reply."""
+
+    def layer_ready(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        self._client.post(lp.LayerReady(handle=self.hid, layer=layer))
+
+    def all_ready(self) -> None:
+        for layer in range(self.num_layers):
+            self.layer_ready(layer)
+
+
+class Client:
+    """Factory for the two flavours; both are async context managers."""
+
+    @staticmethod
+    def local(agent: Agent) -> _LocalClient:
+        return _LocalClient(agent)
+
+    @staticmethod
+    def connect(socket_path: str, *, timeout: float = 10.0) -> _SidecarClient:
+        return _SidecarClient(socket_path, timeout=timeout)
+
+
+class _LocalClient:
+    """The same calls on an Agent living in this process."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    async def __aenter__(self) -> _LocalClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor] | SharedKV
+                          ) -> None:
+        tensors = layers.layers if isinstance(layers, SharedKV) else layers
+        self.agent.register_kv(layout, tensors)
+
+    async def expect(self, request_id: str, blocks: Sequence[int]) -> Any:
+        return self.agent.expect(request_id, blocks)
+
+    async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined") -> Any:
+        return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks, mode=mode)
+
+    async def statistics(self) -> dict[str, int]:
+        s = self.agent.statistics()
+        return {f: getattr(s, f) for f in s.__struct_fields__ if isinstance(getattr(s, f), int)}
+
+
+class _SidecarClient:
+    """Talks to a sidecar over its Unix socket; a reader task routes replies and events."""
+
+    def __init__(self, socket_path: str, *, timeout: float) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.instance_id = ""
+        self._ids = itertools.count(1)
+        # request id -> (done, reply box, handle factory run by the reader on Ok)
+        self._pending: dict[int, tuple[anyio.Event, list[Any], Any]] = {}
+        self._handles: dict[int, _RemoteHandle] = {}
+        self._lost: SidecarLostError | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._stream: anyio.abc.SocketStream | None = None
+        self._out_send: Any = None
+
+    async def __aenter__(self) -> _SidecarClient:
+        try:
+            with anyio.fail_after(self.timeout):
+                self._stream = await anyio.connect_unix(self.socket_path)
+        except (OSError, TimeoutError) as exc:
+            raise SidecarLostError(f"no kvstream sidecar on {self.socket_path}: {exc}") from exc
+        await self._stack.enter_async_context(self._stream)
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(tg.cancel_scope.cancel)
+        send, receive = anyio.create_memory_object_stream[bytes](4096)
+        self._out_send = send
+        tg.start_soon(self._writer, receive)
+        tg.start_soon(self._reader)
+        reply = await self.request(lp.Hello(pid=_pid()))
+        self.instance_id = reply.instance_id  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._stack.aclose()
+
+    # -- wire ----------------------------------------------------------------------------
+    def post(self, msg: lp.LocalMessage) -> None:
+        """Queue a frame without waiting (the per-layer hot path)."""
+        if self._lost is not None:
+            raise self._lost
+        self._out_send.send_nowait(lp.frame(msg))
+
+    async def request(self, msg: lp.LocalMessage, make_handle: Any = None) -> Any:
+        """Send a request and wait for its reply. ``make_handle(ok)`` runs in the reader
+        before any later frame is routed, so no event can outrun its handle."""
+        if self._lost is not None:
+            raise self._lost
+        rid = next(self._ids)
+        done, box = anyio.Event(), []
+        self._pending[rid] = (done, box, make_handle)
+        try:
+            await self._out_send.send(lp.frame(msgspec.structs.replace(msg, id=rid)))
+            with anyio.fail_after(max(self.timeout, 60.0)):
+                await done.wait()
+        finally:
+            self._pending.pop(rid, None)
+        if not box:
+            raise self._lost or SidecarLostError("sidecar connection closed")
+        reply = box[0]
+        if isinstance(reply, lp.Error):
+            raise _error(reply.kind, reply.message)
+        return reply
+
+    async def _writer(self, receive: Any) -> None:
+        assert self._stream is not None
+        async with receive:
+            async for data in receive:
+                try:
+                    await self._stream.send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                    self._lose(f"sidecar connection broken: {exc}")
+                    return
+
+    async def _reader(self) -> None:
+        assert self._stream is not None
+        try:
+            while True:
+                msg = await read_frame(self._stream)
+                if msg is None:
+                    break
+                self._route(msg)
+        except (KVStreamError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            self._lose(f"sidecar connection broken: {exc}")
+            return
+        self._lose("the sidecar closed the connection")
+
+    def _route(self, msg: lp.LocalUnion) -> None:
+        match msg:
+            case lp.LayerLanded():
+                h = self._handles.get(msg.handle)
+                if isinstance(h, RemoteReceive):
+                    h._mark(msg.layer)
+            case lp.Finished():
+                h = self._handles.pop(msg.handle, None)
+                if h is not None:
+                    h._finish(msg.result)
+            case lp.Ok() | lp.Error() if msg.id in self._pending:
+                done, box, make_handle = self._pending[msg.id]
+                if isinstance(msg, lp.Ok) and make_handle is not None:
+                    handle = make_handle(msg)
+                    self._handles[msg.handle] = handle
+                    box.append(handle)
+                else:
+                    box.append(msg)
+                done.set()
+            case lp.Error():
+                log.warning("sidecar: %s: %s", msg.kind, msg.message)
+
+    def _lose(self, why: str) -> None:
+        if self._lost is not None:
+            return
+        self._lost = SidecarLostError(why)
+        for done, _, _ in list(self._pending.values()):
+            done.set()
+        now = anyio.current_time()
+        for h in list(self._handles.values()):
+            h._finish(TransferResult(
+                transfer_id="", request_id=h.request_id, side="", peer="", status="failed",
+                reason=f"sidecar lost: {why}", bytes=0, layers=0, started_at=now, ended_at=now))
+        self._handles.clear()
+
+    # -- API -----------------------------------------------------------------------------
+    async def register_kv(self, layout: KVLayout, layers: SharedKV) -> None:
+        """Hand shared KV to the sidecar; then the names are unlinked (no leak on a crash)."""
+        if not isinstance(layers, SharedKV):
+            raise errors.LayoutError("a sidecar needs KV allocated with kvstream.shm.SharedKV")
+        if layers.spec.layout != layout:
+            raise errors.LayoutError("the shared KV was allocated for another layout")
+        try:
+            await self.request(lp.RegisterKV(shared=layers.spec))
+        finally:
+            layers.unlink()
+
+    async def expect(self, request_id: str, blocks: Sequence[int]) -> RemoteReceive:
+        return await self.request(  # type: ignore[no-any-return]
+            lp.Expect(request_id=request_id, blocks=list(blocks)),
+            lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id))
+
+    async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined"
+                   ) -> RemoteSend:
+        return await self.request(  # type: ignore[no-any-return]
+            lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
+                    dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
+                    mode=mode),  # type: ignore[arg-type]
+            lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
+
+    async def statistics(self) -> dict[str, int]:
+        reply = await self.request(lp.Stats())
+        assert isinstance(reply, lp.Ok)
+        return dict(reply.stats)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()

@@ -1,0 +1,136 @@
+"""Engine <-> sidecar messages on the local socket: one tagged union, length-prefixed frames.
+
+Same evolution rules as the control plane (new fields last with defaults, tags never
+reused). Requests carry an ``id`` the reply echoes; events (layer landed, transfer
+finished) carry the handle they are about. ``LayerReady`` has no reply: it is the
+per-layer hot path.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final, Literal
+
+import msgspec
+
+from kvstream._exceptions import MessageDecodeError
+from kvstream.shm import SharedKVSpec
+from kvstream.transfer import TransferResult
+
+__all__ = [
+    "MAX_FRAME",
+    "Abort",
+    "Error",
+    "Expect",
+    "Finished",
+    "Hello",
+    "LayerLanded",
+    "LayerReady",
+    "LocalMessage",
+    "LocalUnion",
+    "Ok",
+    "Push",
+    "RegisterKV",
+    "Stats",
+    "decode",
+    "encode",
+    "frame",
+]
+
+MAX_FRAME: Final = 1 << 20
+_LEN: Final = struct.Struct("<I")
+
+
+class LocalMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
+    id: int = 0
+
+
+class Hello(LocalMessage, tag="hello"):
+    pid: int
+    version: int = 1
+
+
+class RegisterKV(LocalMessage, tag="register_kv"):
+    """Host KV in shared memory by name; device KV through CUDA IPC handles (``cuda``)."""
+
+    shared: SharedKVSpec | None = None
+    cuda: list[bytes] = []
+
+
+class Expect(LocalMessage, tag="expect"):
+    request_id: str
+    blocks: list[int]
+
+
+class Push(LocalMessage, tag="push"):
+    request_id: str
+    dst: str
+    src_blocks: list[int]
+    dst_blocks: list[int] | None = None
+    mode: Literal["pipelined", "eager"] = "pipelined"
+
+
+class LayerReady(LocalMessage, tag="layer_ready"):
+    handle: int
+    layer: int
+
+
+class Abort(LocalMessage, tag="abort"):
+    handle: int
+    reason: str
+
+
+class Stats(LocalMessage, tag="stats"):
+    pass
+
+
+class Ok(LocalMessage, tag="ok"):
+    handle: int = 0
+    num_layers: int = 0
+    stats: dict[str, int] = {}
+    instance_id: str = ""
+
+
+class Error(LocalMessage, tag="error"):
+    kind: str
+    message: str
+
+
+class LayerLanded(LocalMessage, tag="layer_landed"):
+    handle: int
+    layer: int
+
+
+class Finished(LocalMessage, tag="finished"):
+    handle: int
+    result: TransferResult
+
+
+LocalUnion = (Hello | RegisterKV | Expect | Push | LayerReady | Abort | Stats | Ok | Error
+              | LayerLanded | Finished)
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_decoder: Final = msgspec.msgpack.Decoder(LocalUnion)
+
+
+def encode(msg: LocalMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def frame(msg: LocalMessage) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(prefix: bytes) -> int:
+    (n,) = _LEN.unpack(prefix)
+    if n > MAX_FRAME:
+        raise MessageDecodeError(f"local frame of {n} bytes exceeds {MAX_FRAME}")
+    return int(n)
+
+
+def decode(data: bytes) -> LocalUnion:
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(f"malformed local message: {exc}") from exc

@@ -1,0 +1,231 @@
+"""The sidecar: an Agent in its own process, serving one engine over a Unix socket.
+
+The engine keeps its process lean (no NATS, no UCX, no event loop of ours); it
+maps its KV into shared memory once, registers it here, and drives transfers
+with a few small messages. When the engine's connection drops (clean exit or
+crash) the sidecar aborts that engine's transfers, telling their peers, and
+drops the mapping, so nothing stays held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from kvstream._exceptions import ConfigError, KVStreamError, LayoutError, MessageDecodeError
+from kvstream.agent import Agent
+from kvstream.config import AgentConfig
+from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.shm import SharedKV
+from kvstream.sidecar import protocol as lp
+
+if TYPE_CHECKING:
+    from anyio.abc import SocketStream
+
+__all__ = ["Sidecar", "read_frame"]
+
+log = logging.getLogger("kvstream.sidecar")
+
+
+async def read_frame(stream: Any) -> lp.LocalUnion | None:
+    """One message from the stream; None at a clean end of stream."""
+    try:
+        prefix = await _read_exact(stream, 4)
+    except anyio.EndOfStream:
+        return None
+    body = await _read_exact(stream, lp.frame_length(prefix))
+    return lp.decode(body)
+
+
+async def _read_exact(stream: Any, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = await stream.receive(n - got)
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class _Session:
+    """One engine connection: its memory registration and its transfer handles."""
+
+    def __init__(self, sidecar: Sidecar, stream: SocketStream) -> None:
+        self.sidecar = sidecar
+        self.agent = sidecar.agent
+        self.stream = stream
+        self.lock = anyio.Lock()
+        self.handles: dict[int, SendHandle | ReceiveHandle] = {}
+        self.ids = itertools.count(1)
+        self.shared: SharedKV | None = None
+
+    async def send(self, msg: lp.LocalMessage) -> None:
+        async with self.lock:
+            await self.stream.send(lp.frame(msg))
+
+    async def reply_error(self, req_id: int, exc: Exception) -> None:
+        await self.send(lp.Error(id=req_id, kind=type(exc).__name__, message=str(exc)))
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    try:
+                        msg = await read_frame(self.stream)
+                    except (MessageDecodeError, anyio.BrokenResourceError,
+                            anyio.ClosedResourceError) as exc:
+                        log.warning("engine connection dropped: %s", exc)
+                        break
+                    if msg is None:
+                        break
+                    await self.dispatch(msg, tg)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.cleanup()
+
+    async def dispatch(self, msg: lp.LocalUnion, tg: anyio.abc.TaskGroup) -> None:
+        match msg:
+            case lp.LayerReady():
+                handle = self.handles.get(msg.handle)
+                if isinstance(handle, SendHandle) and 0 <= msg.layer < handle.transfer.num_layers:
+                    handle.layer_ready(msg.layer)
+                else:
+                    await self.reply_error(0, ConfigError(f"no send handle {msg.handle} with "
+                                                          f"layer {msg.layer}"))
+            case lp.Hello():
+                await self.send(lp.Ok(id=msg.id, instance_id=self.agent.instance_id))
+            case lp.RegisterKV():
+                await self.register(msg)
+            case lp.Expect():
+                try:
+                    handle = self.agent.expect(msg.request_id, msg.blocks)
+                except KVStreamError as exc:
+                    await self.reply_error(msg.id, exc)
+                    return
+                hid = self._track(handle)
+                await self.send(lp.Ok(id=msg.id, handle=hid,
+                                      num_layers=handle.transfer.num_layers))
+                tg.start_soon(self._watch_receive, hid, handle)
+            case lp.Push():
+                tg.start_soon(self._push, msg, tg)
+            case lp.Abort():
+                tg.start_soon(self._abort, msg)
+            case lp.Stats():
+                s = self.agent.statistics()
+                await self.send(lp.Ok(id=msg.id, stats={
+                    f: getattr(s, f) for f in s.__struct_fields__
+                    if isinstance(getattr(s, f), int)}))
+            case _:
+                await self.reply_error(msg.id, ConfigError(f"{type(msg).__name__} is not a request"))
+
+    def _track(self, handle: SendHandle | ReceiveHandle) -> int:
+        hid = next(self.ids)
+        self.handles[hid] = handle
+        return hid
+
+    async def register(self, msg: lp.RegisterKV) -> None:
+        try:
+            if self.agent.memory is not None:
+                raise ConfigError("this sidecar already serves registered KV memory")
+            if msg.shared is None:
+                raise LayoutError("only shared host memory can be registered with a sidecar "
+                                  "here (CUDA IPC needs a GPU build)")
+            shared = SharedKV.attach(msg.shared)
+            try:
+                self.agent.register_kv(msg.shared.layout, shared.layers)
+            except KVStreamError:
+                shared.close()
+                raise
+            self.shared = shared
+        except KVStreamError as exc:
+            await self.reply_error(msg.id, exc)
+            return
+        await self.send(lp.Ok(id=msg.id, num_layers=msg.shared.layout.num_layers))
+
+    async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
+        try:
+            handle = await self.agent.push(msg.request_id, msg.dst, msg.src_blocks,
+                                           dst_blocks=msg.dst_blocks, mode=msg.mode)
+        except KVStreamError as exc:
+            await self.reply_error(msg.id, exc)
+            return
+        hid = self._track(handle)
+        await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=handle.transfer.num_layers))
+        await self._finished(hid, handle)
+
+    async def _watch_receive(self, hid: int, handle: ReceiveHandle) -> None:
+        for layer in range(handle.transfer.num_layers):
+            try:
+                await handle.wait_layer(layer)
+            except KVStreamError:
+                break
+            await self.send(lp.LayerLanded(handle=hid, layer=layer))
+        await self._finished(hid, handle)
+
+    async def _finished(self, hid: int, handle: SendHandle | ReceiveHandle) -> None:
+        result = await handle.result()
+        self.handles.pop(hid, None)
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self.send(lp.Finished(handle=hid, result=result))
+
+    async def _abort(self, msg: lp.Abort) -> None:
+        handle = self.handles.get(msg.handle)
+        if handle is None:
+            await self.reply_error(msg.id, ConfigError(f"no handle {msg.handle}"))
+            return
+        await handle.abort(msg.reason)
+        await self.send(lp.Ok(id=msg.id, handle=msg.handle))
+
+    async def cleanup(self) -> None:
+        """The engine is gone or done: end its transfers, drop its memory."""
+        reason = "engine disconnected from its sidecar"
+        for handle in list(self.handles.values()):
+            if not handle.done:
+                await handle.abort(reason)
+        self.handles.clear()
+        if self.shared is not None:
+            await self.agent.unregister_kv(reason)
+            self.shared.close()
+            self.shared = None
+            log.info("engine memory released")
+        with contextlib.suppress(Exception):
+            await self.stream.aclose()
+
+
+class Sidecar:
+    """``await Sidecar(config, socket_path).serve()`` runs until cancelled."""
+
+    def __init__(self, config: AgentConfig, socket_path: str) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.agent = Agent(config)
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                    ) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        async with self.agent:
+            try:
+                listener = await anyio.create_unix_listener(self.socket_path)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {self.socket_path}: {exc}") from exc
+            os.chmod(self.socket_path, 0o600)
+            try:
+                async with listener:
+                    log.info("kvstream sidecar %s ready: socket %s, NATS %s, role %s",
+                             self.config.instance_id, self.socket_path, self.agent.nats_url,
+                             self.config.role)
+                    task_status.started()
+                    await listener.serve(self._session)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+
+    async def _session(self, stream: SocketStream) -> None:
+        await _Session(self, stream).run()
