@@ -57,6 +57,7 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: str
     transfers_active: int
     reservations_active: int
+    kv_registered_bytes: int
     staging_bytes_in_use: int
     staging_bytes_peak: int
     completed: int
@@ -471,6 +472,7 @@ class Agent:
             instance_id=self.instance_id,
             transfers_active=len(self._streams),
             reservations_active=len(self._reservations),
+            kv_registered_bytes=self.memory.nbytes if self.memory else 0,
             staging_bytes_in_use=self.staging.in_use,
             staging_bytes_peak=self.staging.peak,
             completed=c["completed"], failed=c["failed"], aborted=c["aborted"],

@@ -235,6 +235,59 @@ def demo(model: str, tokens: int, layer_compute_ms: float, link: str,
     run_demo(spec, model=model, layer_compute_ms=layer_compute_ms, link=link, nats_url=nats_url)
 
 
+@app.command()
+@click.option("--instance-id", required=True, help="this engine's instance id (NATS-safe)")
+@click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both",
+              show_default=True)
+@click.option("--socket", "socket_path", required=True, help="Unix socket the engine connects to")
+@click.option("--nats-url", help="NATS URL (default: one on 127.0.0.1:4222, embedded if none)")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--ucx-tls", help="restrict UCX transports, e.g. 'tcp' or 'sm,self' (sets UCX_TLS)")
+@click.option("--ucx-error-handling", is_flag=True,
+              help="UCX endpoint error handling (RDMA fabrics; disables same-host shm)")
+@click.option("--staging-bytes", type=click.IntRange(min=1), default=256 << 20, show_default=True)
+@click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--model", help="refuse KV memory of any layout but this preset's")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None, namespace: str,
+            ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
+            max_inflight_layers: int, max_transfers: int, model: str | None,
+            log_level: str) -> None:
+    """Run an Agent next to one engine, serving it over a Unix socket."""
+    import logging
+    import os
+    import signal
+
+    import anyio
+
+    from kvstream.config import AgentConfig
+    from kvstream.sidecar.server import Sidecar
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+    config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
+                         nats_url=nats_url, ucx_error_handling=ucx_error_handling,
+                         staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
+                         max_transfers=max_transfers)
+    layout = _layout_from(model, None, None, None, 16, "float16")[2] if model else None
+    server = Sidecar(config, socket_path, layout=layout)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    logging.getLogger("kvstream.sidecar").info(
+                        "%s: aborting in-flight transfers and exiting", signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    return
+
+    anyio.run(run)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one-line errors instead of tracebacks."""
     try:
@@ -247,6 +300,22 @@ def main(argv: list[str] | None = None) -> None:
     except KVStreamError as exc:
         click.echo(f"kvstream: error: {exc}", err=True)
         sys.exit(1)
+    except BaseException as exc:  # task groups wrap errors in exception groups
+        found = _kvstream_error_in(exc)
+        if found is None:
+            raise
+        click.echo(f"kvstream: error: {found}", err=True)
+        sys.exit(1)
+
+
+def _kvstream_error_in(exc: BaseException) -> KVStreamError | None:
+    if isinstance(exc, KVStreamError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _kvstream_error_in(inner)
+        if found is not None:
+            return found
+    return None
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import anyio
 import nats
 import nats.errors
 
@@ -37,17 +38,21 @@ class ControlBus:
     @classmethod
     async def connect(cls, url: str, *, name: str, timeout: float = 5.0) -> ControlBus:
         try:
-            nc = await nats.connect(
-                url,
-                name=name,
-                connect_timeout=timeout,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.2,
-                error_cb=_log_error,
-            )
+            # nats-py keeps retrying an unreachable server when reconnects are allowed;
+            # the first connection must succeed within `timeout` or fail clearly.
+            with anyio.fail_after(timeout):
+                nc = await nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=min(timeout, 2.0),
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.2,
+                    error_cb=_log_error,
+                )
         except Exception as exc:  # nats raises OSError, TimeoutError or its own
-            raise ControlPlaneError(f"cannot connect to NATS at {url}: {exc}") from exc
+            raise ControlPlaneError(
+                f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from exc
         return cls(nc)
 
     async def request(

@@ -22,6 +22,7 @@ from kvstream._exceptions import ConfigError, KVStreamError, LayoutError, Messag
 from kvstream.agent import Agent
 from kvstream.config import AgentConfig
 from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
 
@@ -136,6 +137,10 @@ class _Session:
             if msg.shared is None:
                 raise LayoutError("only shared host memory can be registered with a sidecar "
                                   "here (CUDA IPC needs a GPU build)")
+            expected = self.sidecar.layout
+            if expected is not None and msg.shared.layout != expected:
+                raise LayoutError(f"this sidecar serves {expected.describe()}; the engine "
+                                  f"registered {msg.shared.layout.describe()}")
             shared = SharedKV.attach(msg.shared)
             try:
                 self.agent.register_kv(msg.shared.layout, shared.layers)
@@ -201,9 +206,11 @@ class _Session:
 class Sidecar:
     """``await Sidecar(config, socket_path).serve()`` runs until cancelled."""
 
-    def __init__(self, config: AgentConfig, socket_path: str) -> None:
+    def __init__(self, config: AgentConfig, socket_path: str, *,
+                 layout: KVLayout | None = None) -> None:
         self.config = config
         self.socket_path = socket_path
+        self.layout = layout  # when set, memory of any other layout is refused
         self.agent = Agent(config)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
