@@ -196,11 +196,13 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
 @click.option("--layer-compute-ms", type=click.FloatRange(min=0),
               help="simulated prefill compute per layer; reports exposed time pipelined vs eager")
 @click.option("--contiguous", is_flag=True, help="block ids in one run instead of scattered")
+@click.option("--sidecar", is_flag=True,
+              help="also run with the agents in sidecar processes (engines in two more)")
 @click.option("--nats-url", help="NATS URL (default: an embedded server)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench(
     model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
-    tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool,
+    tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool, sidecar: bool,
     nats_url: str | None, as_json: bool,
 ) -> None:
     """Stream a synthetic KV cache between two processes; compare with raw ucxx."""
@@ -209,7 +211,7 @@ def bench(
     spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous)
     say = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     result = run_bench(spec, repeat=repeat, layer_compute_ms=layer_compute_ms,
-                       nats_url=nats_url, progress=say)
+                       nats_url=nats_url, sidecar=sidecar, progress=say)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(result)))
         return

@@ -29,6 +29,14 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
     t.add_row("ratio kvstream / raw", f"{r.ratio:.3f}", "")
     t.add_row("raw ucxx, contiguous (wire)", f"{r.ucx_wire_gbps:.2f}", "no gather/scatter")
     t.add_row("memcpy gather, 1 thread", f"{r.memcpy_gbps:.2f}", "one layer, this process")
+    if r.sidecar_gbps is not None:
+        t.add_row("kvstream, agents in sidecars", f"{r.sidecar_gbps:.2f}",
+                  f"{r.sidecar_ratio:.3f} of in-process, best of {r.sidecar_runs_gbps}")
+    if r.layer_ready_us_p50 is not None:
+        t.add_row(f"layer_ready, us per call ({r.overhead_measured_in})",
+                  f"{r.layer_ready_us_p50:.1f}", f"p99 {r.layer_ready_us_p99:.1f} us")
+        t.add_row(f"wait_layer (landed), us per call ({r.overhead_measured_in})",
+                  f"{r.wait_layer_us_p50:.1f}", f"p99 {r.wait_layer_us_p99:.1f} us")
     if r.exposed_ms_pipelined is not None:
         t.add_row(f"exposed ms, pipelined ({r.layer_compute_ms} ms/layer)",
                   f"{r.exposed_ms_pipelined:.2f}", "after the last layer's compute")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import queue
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +21,7 @@ import msgspec
 
 from kvstream._exceptions import KVStreamError
 from kvstream.bench.synthetic import BenchSpec, pick_blocks
-from kvstream.bench.workers import Cmd, Event, decode_main, prefill_main
+from kvstream.bench.workers import Cmd, Event, decode_main, prefill_main, sidecar_main
 from kvstream.control.nats_server import EmbeddedNats
 
 __all__ = ["BenchResult", "Harness", "KVRun", "memcpy_gbps", "run_bench"]
@@ -33,6 +35,8 @@ class KVRun(msgspec.Struct, kw_only=True):
     verified: bool
     status: str
     reason: str = ""
+    layer_ready_us: list[float] = []
+    wait_layer_us: list[float] = []
 
 
 class BenchResult(msgspec.Struct, kw_only=True):
@@ -53,6 +57,16 @@ class BenchResult(msgspec.Struct, kw_only=True):
     layer_compute_ms: float | None = None
     exposed_ms_pipelined: float | None = None
     exposed_ms_eager: float | None = None
+    # --sidecar: agents in sidecar processes, engines in two more processes.
+    sidecar_gbps: float | None = None
+    sidecar_ratio: float | None = None  # sidecar GB/s over in-process GB/s, same run
+    sidecar_runs_gbps: list[float] = []
+    # Engine -> agent cost per call: layer_ready (prefill), wait_layer on a landed layer.
+    overhead_measured_in: str = ""
+    layer_ready_us_p50: float | None = None
+    layer_ready_us_p99: float | None = None
+    wait_layer_us_p50: float | None = None
+    wait_layer_us_p99: float | None = None
     final_stats: dict[str, dict[str, int]] = {}
 
 
@@ -60,12 +74,17 @@ class Harness:
     """NATS, a decode process and a prefill process; ``with Harness(spec) as h``."""
 
     def __init__(self, spec: BenchSpec, *, nats_url: str | None = None,
-                 timeout_s: float = 180.0) -> None:
+                 timeout_s: float = 180.0, sidecar: bool = False) -> None:
+        self.sidecar = sidecar
+        if sidecar:  # its own namespace, so an in-process harness can share the NATS server
+            spec = msgspec.structs.replace(spec, namespace=f"{spec.namespace}-sidecar")
         self.spec = spec
         self.timeout_s = timeout_s
         self._nats_url = nats_url
         self._nats: EmbeddedNats | None = None
         self._procs: list[Any] = []
+        self._sidecars: list[Any] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._run = 0
         ctx = mp.get_context("spawn")
         self._ctx = ctx
@@ -76,15 +95,39 @@ class Harness:
         self.dst_ids = pick_blocks(spec, salt=2)
         self.last_stats: dict[str, dict[str, int]] = {}
 
+    @property
+    def nats_url(self) -> str:
+        return self._nats_url or ""
+
+    def _start_sidecars(self, blob: bytes) -> dict[str, str]:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstream-bench-")
+        targets = {}
+        for role in ("decode", "prefill"):
+            sock = os.path.join(self._tmp.name, f"{role}.sock")
+            proc = self._ctx.Process(target=sidecar_main, args=(blob, role, sock, self._nats_url),
+                                     daemon=True)
+            proc.start()
+            self._sidecars.append(proc)
+            targets[role] = f"unix:{sock}"
+        deadline = time.monotonic() + self.timeout_s
+        for target in targets.values():
+            while not os.path.exists(target[5:]):
+                if time.monotonic() > deadline or any(not p.is_alive() for p in self._sidecars):
+                    raise KVStreamError("a benchmark sidecar did not come up")
+                time.sleep(0.05)
+        return targets
+
     def __enter__(self) -> Harness:
         try:
             if self._nats_url is None:
                 self._nats = EmbeddedNats().start()
                 self._nats_url = self._nats.url
             blob = msgspec.msgpack.encode(self.spec)
-            for target, cq, eq in ((decode_main, self._dq_cmd, self._dq_evt),
-                                   (prefill_main, self._pq_cmd, self._pq_evt)):
-                proc = self._ctx.Process(target=target, args=(blob, self._nats_url, cq, eq),
+            targets = (self._start_sidecars(blob) if self.sidecar
+                       else {"decode": self._nats_url, "prefill": self._nats_url})
+            for target, role, cq, eq in ((decode_main, "decode", self._dq_cmd, self._dq_evt),
+                                         (prefill_main, "prefill", self._pq_cmd, self._pq_evt)):
+                proc = self._ctx.Process(target=target, args=(blob, targets[role], cq, eq),
                                          daemon=True)
                 proc.start()
                 self._procs.append(proc)
@@ -108,6 +151,16 @@ class Harness:
                 proc.kill()
                 proc.join(5)
         self._procs.clear()
+        for proc in self._sidecars:
+            proc.terminate()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._sidecars.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
         if self._nats is not None:
             self._nats.stop()
             self._nats = None
@@ -122,7 +175,7 @@ class Harness:
             try:
                 evt: Event = q.get(timeout=min(left, 1.0))
             except queue.Empty:
-                if any(not p.is_alive() for p in self._procs):
+                if any(not p.is_alive() for p in (*self._procs, *self._sidecars)):
                     raise KVStreamError("a benchmark process died") from None
                 continue
             if evt.kind == "error":
@@ -150,7 +203,8 @@ class Harness:
         return KVRun(mode=mode, seconds=seconds, gbps=self.spec.payload_bytes / seconds / 1e9,
                      exposed_ms=(d.t - p.t_last_ready) * 1e3, verified=d.verified,
                      status=d.status if d.status != "completed" else p.status,
-                     reason=d.reason or p.reason)
+                     reason=d.reason or p.reason, layer_ready_us=p.overhead_us,
+                     wait_layer_us=d.overhead_us)
 
     def run_raw(self, *, wire: bool = False) -> float:
         self._run += 1
@@ -185,23 +239,39 @@ def memcpy_gbps(spec: BenchSpec, repeat: int = 3) -> float:
     return best
 
 
+def _pct(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
 def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | None = None,
-              nats_url: str | None = None, raw: bool = True,
+              nats_url: str | None = None, raw: bool = True, sidecar: bool = False,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     say = progress or (lambda _msg: None)
     kv_runs: list[KVRun] = []
+    sc_runs: list[KVRun] = []
     raw_runs: list[float] = []
     wire = 0.0
     exposed: dict[str, float] = {}
-    with Harness(spec, nats_url=nats_url) as h:
+    with contextlib.ExitStack() as stack:
+        h = stack.enter_context(Harness(spec, nats_url=nats_url))
+        hs = (stack.enter_context(Harness(spec, nats_url=h.nats_url, sidecar=True))
+              if sidecar else None)
         say("warm-up")
         h.run_kv(verify=False)
+        if hs is not None:
+            hs.run_kv(verify=False)
         if raw:
             h.run_raw()
-        # Interleave kvstream and raw runs so machine noise hits both alike.
+        # Interleave the variants so machine noise hits all alike.
         for i in range(repeat):
             say(f"round {i + 1}/{repeat}: kvstream")
             kv_runs.append(h.run_kv())
+            if hs is not None:
+                say(f"round {i + 1}/{repeat}: kvstream, agents in sidecars")
+                sc_runs.append(hs.run_kv())
             if raw:
                 say(f"round {i + 1}/{repeat}: raw ucxx")
                 raw_runs.append(h.run_raw())
@@ -212,13 +282,18 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             for mode in ("pipelined", "eager"):
                 say(f"exposed time, {mode}, {layer_compute_ms} ms compute per layer")
                 runs = [h.run_kv(mode=mode, compute_ms=layer_compute_ms) for _ in range(repeat)]
-                kv_runs.extend(runs)
                 exposed[mode] = statistics.median(r.exposed_ms for r in runs)
-        stats = h.last_stats
+                kv_runs.extend(runs)
+        stats = {**h.last_stats, **({f"sidecar_{k}": v for k, v in hs.last_stats.items()}
+                                    if hs is not None else {})}
     best_kv = max(r.gbps for r in kv_runs[:repeat])
     best_raw = max(raw_runs) if raw_runs else 0.0
+    best_sc = max((r.gbps for r in sc_runs), default=0.0)
+    overhead_runs = sc_runs or kv_runs
+    ready_us = [x for r in overhead_runs for x in r.layer_ready_us]
+    wait_us = [x for r in overhead_runs for x in r.wait_layer_us]
     return BenchResult(
-        verified=all(r.verified and r.status == "completed" for r in kv_runs),
+        verified=all(r.verified and r.status == "completed" for r in (*kv_runs, *sc_runs)),
         kvstream_gbps=round(best_kv, 3),
         ucx_gbps=round(best_raw, 3),
         ratio=round(best_kv / best_raw, 3) if best_raw else 0.0,
@@ -235,5 +310,13 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         layer_compute_ms=layer_compute_ms,
         exposed_ms_pipelined=round(exposed["pipelined"], 2) if exposed else None,
         exposed_ms_eager=round(exposed["eager"], 2) if exposed else None,
+        sidecar_gbps=round(best_sc, 3) if sidecar else None,
+        sidecar_ratio=round(best_sc / best_kv, 3) if sidecar else None,
+        sidecar_runs_gbps=[round(r.gbps, 3) for r in sc_runs],
+        overhead_measured_in="sidecar" if sc_runs else "in-process",
+        layer_ready_us_p50=_pct(ready_us, 0.5),
+        layer_ready_us_p99=_pct(ready_us, 0.99),
+        wait_layer_us_p50=_pct(wait_us, 0.5),
+        wait_layer_us_p99=_pct(wait_us, 0.99),
         final_stats=stats,
     )

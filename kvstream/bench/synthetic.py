@@ -24,6 +24,7 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     scattered: bool = True
     progress_mode: str = "thread"
+    namespace: str = "bench"
 
     @property
     def blocks(self) -> int:

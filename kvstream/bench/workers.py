@@ -1,12 +1,15 @@
 """The prefill and decode processes of the benchmark and the demo.
 
-Each runs one Agent and obeys commands from the parent over a multiprocessing
-queue (the harness's own wiring; kvstream traffic goes over NATS and UCX).
+Each runs one Agent (or, with ``--sidecar``, an engine talking to a sidecar
+process) and obeys commands from the parent over a multiprocessing queue (the
+harness's own wiring; kvstream traffic goes over NATS and UCX).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -14,7 +17,7 @@ import msgspec
 
 from kvstream.bench.synthetic import BenchSpec, make_cache
 
-__all__ = ["Cmd", "Event", "decode_main", "prefill_main"]
+__all__ = ["Cmd", "Event", "decode_main", "prefill_main", "sidecar_main"]
 
 
 class Cmd(msgspec.Struct, kw_only=True):
@@ -44,18 +47,15 @@ class Event(msgspec.Struct, kw_only=True):
     verified: bool = False
     address: bytes = b""
     stats: dict[str, int] = {}
+    overhead_us: list[float] = []  # per-call engine->agent cost (layer_ready / wait_layer)
 
 
 def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
     from kvstream.config import AgentConfig
 
     return AgentConfig(instance_id=instance_id, role=role, nats_url=nats_url,  # type: ignore[arg-type]
-                       transfer_timeout_s=120.0, progress_mode=spec.progress_mode)
-
-
-def _stats(agent: Any) -> dict[str, int]:
-    s = agent.statistics()
-    return {f: getattr(s, f) for f in s.__struct_fields__ if isinstance(getattr(s, f), int)}
+                       transfer_timeout_s=120.0, progress_mode=spec.progress_mode,
+                       namespace=spec.namespace)
 
 
 async def _commands(cmd_q: Any):  # type: ignore[no-untyped-def]
@@ -90,36 +90,72 @@ def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -
     return True
 
 
-async def _serve(spec: BenchSpec, nats_url: str, role: str, cmd_q: Any, evt_q: Any,
-                 handle_cmd: Any) -> None:
-    """One agent, one command at a time; a failed command is reported, not fatal."""
+class _Side:
+    """What a command handler works with: a client (in-process or sidecar) and the memory."""
+
+    def __init__(self, client: Any, memory: Any, agent: Any = None, address: bytes = b"") -> None:
+        self.client = client
+        self.memory = memory
+        self.agent = agent  # None when the agent lives in a sidecar (no raw baseline then)
+        self.address = address
+
+
+@contextlib.asynccontextmanager
+async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_Side]:
+    """``target`` is a NATS URL (agent in this process) or ``unix:<socket>`` (a sidecar)."""
+    from kvstream.client import Client
+    from kvstream.dataplane.memory import RegisteredKV
+
+    if target.startswith("unix:"):
+        from kvstream.bench.synthetic import fill_layer
+        from kvstream.shm import SharedKV
+
+        shared = SharedKV.create(spec.layout, spec.num_cache_blocks)
+        if role == "prefill":
+            for i, t in enumerate(shared.layers):
+                fill_layer(t, i)
+        async with Client.connect(target[5:]) as client:
+            await client.register_kv(spec.layout, shared)
+            yield _Side(client, RegisteredKV(spec.layout, shared.layers))
+        return
     from kvstream.agent import Agent
 
     cache = make_cache(spec, fill=role == "prefill")
-    async with Agent(_config(f"bench-{role}", nats_url, role, spec), layout=spec.layout,
+    async with Agent(_config(f"bench-{role}", target, role, spec), layout=spec.layout,
                      kv_caches=cache) as agent:
-        evt_q.put(Event(kind="up", address=agent.worker_address))
+        yield _Side(Client.local(agent), agent.memory, agent, agent.worker_address)
+
+
+async def _serve(spec: BenchSpec, target: str, role: str, cmd_q: Any, evt_q: Any,
+                 handle_cmd: Any) -> None:
+    """One side, one command at a time; a failed command is reported, not fatal."""
+    async with _open_side(spec, role, target) as side:
+        evt_q.put(Event(kind="up", address=side.address))
         async for cmd in _commands(cmd_q):
             try:
-                evt_q.put(await handle_cmd(agent, cmd))
+                evt_q.put(await handle_cmd(side, cmd))
             except Exception as exc:
                 evt_q.put(Event(kind="error", run=cmd.run, reason=f"{type(exc).__name__}: {exc}"))
 
 
-def decode_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
+def _us_since(t: int) -> float:
+    return (time.perf_counter_ns() - t) / 1e3
+
+
+def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
 
-    async def handle_cmd(agent: Any, cmd: Cmd) -> Event:
+    async def handle_cmd(side: _Side, cmd: Cmd) -> Event:
         from kvstream.bench.raw import raw_receive
 
         def ready() -> None:
             evt_q.put(Event(kind="ready", run=cmd.run))
 
         if cmd.op == "raw":
-            t = await raw_receive(agent.memory, agent.memory.block_map(cmd.blocks), cmd.run,
+            t = await raw_receive(side.memory, side.memory.block_map(cmd.blocks), cmd.run,
                                   wire=cmd.wire, ready=ready)
             return Event(kind="done", run=cmd.run, t=t, status="completed")
-        handle = agent.expect(cmd.request_id, cmd.blocks)
+        handle = await side.client.expect(cmd.request_id, cmd.blocks)
         ready()
         if cmd.report_layers:
             for layer in range(spec.layout.num_layers):
@@ -129,34 +165,56 @@ def decode_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> Non
                     break
                 evt_q.put(Event(kind="layer", run=cmd.run, layer=layer, t=time.monotonic()))
         result = await handle.result()
+        wait_us = []
+        if result.ok:  # the engine's per-layer check once a layer is there
+            for layer in range(spec.layout.num_layers):
+                t = time.perf_counter_ns()
+                await handle.wait_layer(layer)
+                wait_us.append(_us_since(t))
         verified = False
         if result.ok and cmd.verify:
             verified = await anyio.to_thread.run_sync(
-                _verify, spec, agent.memory, cmd.src_blocks, cmd.blocks)
+                _verify, spec, side.memory, cmd.src_blocks, cmd.blocks)
         return Event(kind="done", run=cmd.run, t=result.ended_at, status=result.status,
-                     reason=result.reason, verified=verified, stats=_stats(agent))
+                     reason=result.reason, verified=verified,
+                     stats=await side.client.statistics(), overhead_us=wait_us)
 
-    anyio.run(_serve, spec, nats_url, "decode", cmd_q, evt_q, handle_cmd)
+    anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)
 
 
-def prefill_main(spec_bytes: bytes, nats_url: str, cmd_q: Any, evt_q: Any) -> None:
+def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
 
-    async def handle_cmd(agent: Any, cmd: Cmd) -> Event:
+    async def handle_cmd(side: _Side, cmd: Cmd) -> Event:
         from kvstream.bench.raw import raw_send
 
         if cmd.op == "raw":
-            t0 = await raw_send(agent.memory, agent.memory.block_map(cmd.blocks), cmd.run,
+            t0 = await raw_send(side.memory, side.memory.block_map(cmd.blocks), cmd.run,
                                 cmd.peer_address, wire=cmd.wire)
             return Event(kind="done", run=cmd.run, t0=t0, status="completed")
         t0 = time.monotonic()
-        handle = await agent.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode)
+        handle = await side.client.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode)
+        ready_us = []
+        last_ready = 0.0
         for layer in range(spec.layout.num_layers):
             if cmd.compute_ms:
                 await anyio.sleep(cmd.compute_ms / 1e3)  # the GPU computing layer L
+            t = time.perf_counter_ns()
             handle.layer_ready(layer)
+            ready_us.append(_us_since(t))
+            last_ready = time.monotonic()
         result = await handle.result()
-        return Event(kind="done", run=cmd.run, t0=t0, t_last_ready=handle.last_ready_at or 0.0,
-                     status=result.status, reason=result.reason, stats=_stats(agent))
+        return Event(kind="done", run=cmd.run, t0=t0, t_last_ready=last_ready,
+                     status=result.status, reason=result.reason,
+                     stats=await side.client.statistics(), overhead_us=ready_us)
 
-    anyio.run(_serve, spec, nats_url, "prefill", cmd_q, evt_q, handle_cmd)
+    anyio.run(_serve, spec, target, "prefill", cmd_q, evt_q, handle_cmd)
+
+
+def sidecar_main(spec_bytes: bytes, role: str, socket_path: str, nats_url: str) -> None:
+    """A sidecar process for the benchmark (what `kvstream sidecar` runs)."""
+    from kvstream.sidecar.server import Sidecar
+
+    spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+    config = _config(f"bench-{role}", nats_url, role, spec)
+    anyio.run(Sidecar(config, socket_path).serve)

@@ -28,6 +28,20 @@ def test_bench_json_small(nats_server):
     assert result["exposed_ms_pipelined"] > 0 and result["exposed_ms_eager"] > 0
 
 
+def test_bench_sidecar_json_small(nats_server):
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--sidecar", "--json",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True and result["sidecar_gbps"] > 0
+    assert result["overhead_measured_in"] == "sidecar"
+    assert result["layer_ready_us_p50"] is not None and result["wait_layer_us_p99"] is not None
+    stats = result["final_stats"]
+    assert stats["sidecar_decode"]["bytes_received"] == 2 * result["payload_bytes"]
+    assert stats["sidecar_decode"]["transfers_active"] == 0
+
+
 def test_demo_runs_and_verifies(nats_server):
     out = _kvstream("demo", "--tokens", "256", "--layer-compute-ms", "1",
                     "--nats-url", nats_server.url)
