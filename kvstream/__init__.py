@@ -22,6 +22,9 @@ from kvstream._exceptions import TransferError as TransferError
 from kvstream._exceptions import TransferTimeout as TransferTimeout
 from kvstream.agent import Agent as Agent
 from kvstream.agent import AgentStatistics as AgentStatistics
+from kvstream.blocking import BlockingClient as BlockingClient
+from kvstream.client import Client as Client
+from kvstream.client import SidecarLostError as SidecarLostError
 from kvstream.config import AgentConfig as AgentConfig
 from kvstream.control.nats_server import EmbeddedNats as EmbeddedNats
 from kvstream.handles import ReceiveHandle as ReceiveHandle
@@ -29,6 +32,8 @@ from kvstream.handles import SendHandle as SendHandle
 from kvstream.layout import KVLayout as KVLayout
 from kvstream.planner import Plan as Plan
 from kvstream.planner import plan_transfer as plan_transfer
+from kvstream.shm import SharedKV as SharedKV
+from kvstream.sidecar.server import Sidecar as Sidecar
 from kvstream.transfer import TransferResult as TransferResult
 from kvstream.transfer import TransferState as TransferState
 
@@ -39,6 +44,8 @@ __all__ = (
     "Agent",
     "AgentConfig",
     "AgentStatistics",
+    "BlockingClient",
+    "Client",
     "ConfigError",
     "ControlPlaneError",
     "DataPlaneError",
@@ -56,6 +63,9 @@ __all__ = (
     "QuantizationError",
     "ReceiveHandle",
     "SendHandle",
+    "SharedKV",
+    "Sidecar",
+    "SidecarLostError",
     "TransferAbortedError",
     "TransferError",
     "TransferResult",

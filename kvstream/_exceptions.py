@@ -11,7 +11,8 @@ msgspec, torch) are translated at the module that talks to them, with
     │   ├── MessageDecodeError      malformed bytes or wrong field types
     │   └── IncompatiblePeerError   protocol version or layout fingerprint mismatch
     ├── ControlPlaneError           NATS trouble
-    │   └── NoPeerError             nobody answers for that instance (no responders)
+    │   ├── NoPeerError             nobody answers for that instance (no responders)
+    │   └── SidecarLostError        the local sidecar went away (kvstream.client)
     ├── DataPlaneError              UCX trouble (endpoint error, worker setup)
     ├── InvalidBlockError           block ids outside registered memory
     ├── TransferError               a transfer ended without completing

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
+from kvstream.dataplane.memory import run_copy
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.transfer import TransferState
 
@@ -187,7 +188,7 @@ class SendStream(_Stream):
                     nbytes = prefix + mem.planes * mem.plane_bytes(len(blocks))
                     slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
                     view = mem.staging_view(slot[prefix:], len(blocks))
-                    await anyio.to_thread.run_sync(mem.gather, layer, blocks, view)
+                    await run_copy(mem.gather, layer, blocks, view)
                     parts = [view[p] for p in range(mem.planes)]
             except BaseException:
                 if slot is not None:
@@ -289,7 +290,7 @@ class RecvStream(_Stream):
             if slot is not None:
                 prefix = wire.HEADER_CAPACITY if self.single else 0
                 view = env.memory.staging_view(slot[prefix:], len(h.blocks))
-                await anyio.to_thread.run_sync(env.memory.scatter, layer, h.blocks, view)
+                await run_copy(env.memory.scatter, layer, h.blocks, view)
             del self._posted[layer]
             h.mark_layer(layer)
             env.count("bytes_received", want)

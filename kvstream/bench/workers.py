@@ -107,13 +107,17 @@ async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_
     from kvstream.dataplane.memory import RegisteredKV
 
     if target.startswith("unix:"):
+        import torch
+
         from kvstream.bench.synthetic import fill_layer
         from kvstream.shm import SharedKV
 
         shared = SharedKV.create(spec.layout, spec.num_cache_blocks)
-        if role == "prefill":
-            for i, t in enumerate(shared.layers):
+        for i, t in enumerate(shared.layers):
+            if role == "prefill":
                 fill_layer(t, i)
+            else:
+                t.view(torch.uint8).zero_()  # touch every page before timing, as make_cache does
         async with Client.connect(target[5:]) as client:
             await client.register_kv(spec.layout, shared)
             yield _Side(client, RegisteredKV(spec.layout, shared.layers))
@@ -129,6 +133,9 @@ async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_
 async def _serve(spec: BenchSpec, target: str, role: str, cmd_q: Any, evt_q: Any,
                  handle_cmd: Any) -> None:
     """One side, one command at a time; a failed command is reported, not fatal."""
+    import torch
+
+    torch.set_num_threads(1)  # like a sidecar: these processes only copy blocks
     async with _open_side(spec, role, target) as side:
         evt_q.put(Event(kind="up", address=side.address))
         async for cmd in _commands(cmd_q):

@@ -215,6 +215,11 @@ class Sidecar:
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
+        import torch
+
+        # The sidecar's only torch work is its block copies; idle intra-op threads spinning
+        # beside them would only take CPU from the copies and the engine (architecture.md).
+        torch.set_num_threads(1)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         async with self.agent:

@@ -13,10 +13,12 @@ from kvstream.cli import main
 def test_all_names_the_public_surface():
     public = {n for n in dir(kvstream) if not n.startswith("_")} - {
         "agent", "config", "control", "dataplane", "handles", "layout", "planner", "presets",
-        "streams", "transfer", "quant", "adapters", "bench", "cli"}
+        "streams", "transfer", "quant", "adapters", "bench", "cli", "blocking", "client", "shm",
+        "sidecar"}
     assert set(kvstream.__all__) == public
     assert all(issubclass(getattr(kvstream, n), kvstream.KVStreamError)
                for n in kvstream.__all__ if n.endswith("Error") or n == "TransferTimeout")
+    assert kvstream.Client.connect and kvstream.Client.local
 
 
 def test_import_stays_light():
