@@ -75,18 +75,21 @@ class EmbeddedNats:
         self._jetstream = jetstream
         self._proc: subprocess.Popen[bytes] | None = None
         self._store: tempfile.TemporaryDirectory[str] | None = None
+        self.log_path = ""
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         binary = find_nats_server()
-        args = [binary, "-a", "127.0.0.1", "-p", str(self.port)]
+        self._store = tempfile.TemporaryDirectory(prefix="kvstream-nats-")
+        # The server's log goes to a file: an unread pipe would stall the server once full.
+        self.log_path = os.path.join(self._store.name, "nats-server.log")
+        args = [binary, "-a", "127.0.0.1", "-p", str(self.port), "-l", self.log_path]
         if self._jetstream:
-            self._store = tempfile.TemporaryDirectory(prefix="kvstream-nats-")
             args += ["-js", "-sd", self._store.name]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                err = self.read_log()
                 self._cleanup()
                 raise ControlPlaneError(f"nats-server exited at start: {err.strip()[-400:]}")
             if is_listening(self.url):
@@ -105,9 +108,14 @@ class EmbeddedNats:
                 self._proc.wait()
         self._cleanup()
 
+    def read_log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
     def _cleanup(self) -> None:
-        if self._proc is not None and self._proc.stderr:
-            self._proc.stderr.close()
         self._proc = None
         if self._store is not None:
             self._store.cleanup()
