@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
+import socket
+import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -186,7 +189,8 @@ class _SidecarClient:
         self._lost: SidecarLostError | None = None
         self._stack = contextlib.AsyncExitStack()
         self._stream: anyio.abc.SocketStream | None = None
-        self._out_send: Any = None
+        self._sock: socket.socket | None = None
+        self._wlock = threading.Lock()
 
     async def __aenter__(self) -> _SidecarClient:
         try:
@@ -197,9 +201,7 @@ class _SidecarClient:
         await self._stack.enter_async_context(self._stream)
         tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.callback(tg.cancel_scope.cancel)
-        send, receive = anyio.create_memory_object_stream[bytes](4096)
-        self._out_send = send
-        tg.start_soon(self._writer, receive)
+        self._sock = self._stream.extra(anyio.abc.SocketAttribute.raw_socket)
         tg.start_soon(self._reader)
         reply = await self.request(lp.Hello(pid=_pid()))
         self.instance_id = reply.instance_id  # type: ignore[union-attr]
@@ -211,10 +213,30 @@ class _SidecarClient:
 
     # -- wire ----------------------------------------------------------------------------
     def post(self, msg: lp.LocalMessage) -> None:
-        """Queue a frame without waiting (the per-layer hot path)."""
+        """Send a frame that needs no reply (the per-layer hot path), from any thread."""
+        self._write(lp.frame(msg))
+
+    def _write(self, data: bytes) -> None:
+        """Write a whole frame to the socket, under a lock, from whichever thread calls.
+
+        Frames are written straight to the socket rather than through the event loop so a
+        synchronous engine thread pays a few microseconds per ``layer_ready``, not a
+        cross-thread hop (~110 us measured with a blocking portal). Reads stay async.
+        """
         if self._lost is not None:
             raise self._lost
-        self._out_send.send_nowait(lp.frame(msg))
+        assert self._sock is not None
+        view = memoryview(data)
+        with self._wlock:
+            try:
+                while view:
+                    try:
+                        view = view[self._sock.send(view):]
+                    except BlockingIOError:
+                        select.select([], [self._sock], [], 1.0)
+            except OSError as exc:
+                self._lose(f"sidecar connection broken: {exc}")
+                raise self._lost from exc  # type: ignore[misc]
 
     async def request(self, msg: lp.LocalMessage, make_handle: Any = None) -> Any:
         """Send a request and wait for its reply. ``make_handle(ok)`` runs in the reader
@@ -225,7 +247,7 @@ class _SidecarClient:
         done, box = anyio.Event(), []
         self._pending[rid] = (done, box, make_handle)
         try:
-            await self._out_send.send(lp.frame(msgspec.structs.replace(msg, id=rid)))
+            self._write(lp.frame(msgspec.structs.replace(msg, id=rid)))
             with anyio.fail_after(max(self.timeout, 60.0)):
                 await done.wait()
         finally:
@@ -236,16 +258,6 @@ class _SidecarClient:
         if isinstance(reply, lp.Error):
             raise _error(reply.kind, reply.message)
         return reply
-
-    async def _writer(self, receive: Any) -> None:
-        assert self._stream is not None
-        async with receive:
-            async for data in receive:
-                try:
-                    await self._stream.send(data)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                    self._lose(f"sidecar connection broken: {exc}")
-                    return
 
     async def _reader(self) -> None:
         assert self._stream is not None
