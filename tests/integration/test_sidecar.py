@@ -198,3 +198,29 @@ def test_blocking_client_fast_path(sidecars, nats_server):
         rx.wait_layer(3)  # landed already: answered locally (the bench reports its cost)
         assert rx.layer_landed(3) and rx.done and tx.done
         assert torch.equal(src.layers[3][:, 9], dst.layers[3][:, 5])
+
+
+async def test_sigterm_aborts_in_flight_transfers_and_exits_cleanly(sidecars, nats_server):
+    import signal
+
+    lay = small_layout(layers=6)
+    proc, sock = sidecars("sc-term")
+    cfg = AgentConfig(instance_id="term-peer", nats_url=nats_server.url, heartbeat_s=0.25,
+                      peer_timeout_s=1.0, request_timeout_s=1.0)
+    async with Agent(cfg, layout=lay, kv_caches=cache(lay, 16, fill=False)) as peer:
+        rx = peer.expect("r-term", [7, 8])
+        shared = SharedKV.create(lay, 16)
+        async with Client.connect(sock) as client:
+            await client.register_kv(lay, shared)
+            tx = await client.push("r-term", "term-peer", [1, 2])
+            tx.layer_ready(0)
+            with anyio.fail_after(10):
+                await rx.wait_layer(0)
+            proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(10):
+                peer_result = await rx.result()
+                mine = await tx.result()
+            assert peer_result.status == "aborted", peer_result
+            assert mine.status in ("aborted", "failed")
+        assert await anyio.to_thread.run_sync(proc.wait, 15) == 0
+        assert "aborting in-flight transfers" in proc.stderr.read()
