@@ -101,7 +101,7 @@ def read_blocks(layer_kv: torch.Tensor, blocks: list[int], seq: int) -> tuple[to
 
 
 # -- the two engine processes ---------------------------------------------------------------
-def prefill_engine(sock: str, router: Any) -> None:
+def prefill_engine(sock: str, inbox: Any, outbox: Any) -> None:
     from transformers import DynamicCache
 
     model = tiny_llama()
@@ -109,7 +109,7 @@ def prefill_engine(sock: str, router: Any) -> None:
     kv = SharedKV.create(layout, NUM_BLOCKS)
     with BlockingClient(sock) as client:
         client.register_kv(layout, kv)
-        request = router.get()  # {"request_id", "prompt", "decode_instance", "dst_blocks"}
+        request = inbox.get()  # {"request_id", "prompt", "decode_instance", "dst_blocks"}
         prompt = request["prompt"]
         blocks = list(range(3, 3 + -(-len(prompt) // BLOCK)))  # our allocator's choice
         handle = client.push(request["request_id"], request["decode_instance"], blocks,
@@ -129,10 +129,10 @@ def prefill_engine(sock: str, router: Any) -> None:
         for h in hooks:
             h.remove()
         result = handle.wait()
-        router.put({"first_token": int(out.logits[0, -1].argmax()), "bytes": result.bytes})
+        outbox.put({"first_token": int(out.logits[0, -1].argmax()), "bytes": result.bytes})
 
 
-def decode_engine(sock: str, router: Any, results: Any) -> None:
+def decode_engine(sock: str, inbox: Any, outbox: Any, results: Any) -> None:
     from transformers import DynamicCache
 
     model = tiny_llama()
@@ -143,14 +143,14 @@ def decode_engine(sock: str, router: Any, results: Any) -> None:
         prompt = prompt_ids()
         blocks = [40, 12, 33][: -(-len(prompt) // BLOCK)]  # scattered, as a paged cache hands out
         handle = client.expect("req-1", blocks)
-        router.put({"request_id": "req-1", "prompt": prompt, "decode_instance": "decode-0",
+        outbox.put({"request_id": "req-1", "prompt": prompt, "decode_instance": "decode-0",
                     "dst_blocks": blocks})
         cache = DynamicCache(config=model.config)
         for layer in range(layout.num_layers):
             handle.wait_layer(layer)  # a real engine would start this layer's attention here
             cache.update(*read_blocks(kv.layers[layer], blocks, len(prompt)), layer)
         handle.wait()
-        first = router.get()["first_token"]
+        first = inbox.get()["first_token"]
         results.put(decode_steps(model, cache, first, MAX_NEW))
 
 
@@ -174,15 +174,22 @@ def run(nats_url: str | None = None) -> tuple[list[int], list[int]]:
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             router = _Router()
-            engines = [ctx.Process(target=prefill_engine, args=(socks["prefill-0"], router.p)),
-                       ctx.Process(target=decode_engine,
-                                   args=(socks["decode-0"], router.d, results))]
+            engines = [
+                ctx.Process(target=prefill_engine,
+                            args=(socks["prefill-0"], router.to_p, router.from_p), daemon=True),
+                ctx.Process(target=decode_engine,
+                            args=(socks["decode-0"], router.to_d, router.from_d, results),
+                            daemon=True)]
             for e in engines:
                 e.start()
-            router.relay()
-            disaggregated = results.get(timeout=120)
-            for e in engines:
-                e.join(30)
+            try:
+                router.relay()
+                disaggregated = results.get(timeout=120)
+            finally:
+                for e in engines:
+                    e.join(30)
+                    if e.is_alive():
+                        e.terminate()
         finally:
             for s in sidecars:
                 s.terminate()
@@ -202,15 +209,17 @@ class _Given:
 
 
 class _Router:
-    """Stands in for the P/D proxy: decode's block ids go to prefill, the first token back."""
+    """Stands in for the P/D proxy: decode's block ids go to prefill, the first token back.
+    One queue per direction and per engine, so nobody reads back its own message."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        self.p, self.d = ctx.Queue(), ctx.Queue()
+        self.to_p, self.from_p = ctx.Queue(), ctx.Queue()
+        self.to_d, self.from_d = ctx.Queue(), ctx.Queue()
 
     def relay(self) -> None:
-        self.p.put(self.d.get(timeout=120))  # the request, with the reserved block ids
-        self.d.put(self.p.get(timeout=120))  # the first token
+        self.to_p.put(self.from_d.get(timeout=120))  # the request, with the reserved block ids
+        self.to_d.put(self.from_p.get(timeout=120))  # the first token
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
+import stamina
 
 from kvstream._exceptions import (
     ConfigError,
@@ -38,7 +39,7 @@ from kvstream.dataplane.staging import StagingPool
 from kvstream.dataplane.ucx import UcxWorker
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.layout import KVLayout
-from kvstream.streams import RecvStream, SendStream, StreamEnv
+from kvstream.streams import RecvStream, SendStream, StreamEnv, single_message_for
 from kvstream.transfer import Side, Transfer, TransferResult, TransferState
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     bytes_received: int
     malformed_messages: int
     peers_alive: int
+    staged_transfers: int = 0  # pushes held in staging, waiting for their reservation
+    staged_dropped: int = 0  # ... that ended without one
 
 
 _REJECT_ERRORS: dict[str, type[KVStreamError]] = {
@@ -81,6 +84,10 @@ async def _shielded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) 
     """Run a release step even when the owner is being cancelled, bounded in time."""
     with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
         await close()
+
+
+class _Busy(Exception):
+    """A destination's "busy" answer, retried with backoff (internal)."""
 
 
 class Agent:
@@ -105,8 +112,11 @@ class Agent:
         self._stack = contextlib.AsyncExitStack()
         self._streams: dict[str, _Stream] = {}
         self._reservations: dict[str, ReceiveHandle] = {}
+        # Pushes that arrived before their reservation: request id -> (stream, promised blocks).
+        self._unclaimed: dict[str, tuple[RecvStream, list[int]]] = {}
         self._counters = dict.fromkeys(
-            ("completed", "failed", "aborted", "timed_out", "bytes_sent", "bytes_received"), 0)
+            ("completed", "failed", "aborted", "timed_out", "bytes_sent", "bytes_received",
+             "staged_dropped"), 0)
         self._seq = 0
         self.nats_url = ""
 
@@ -180,6 +190,7 @@ class Agent:
         """
         for handle in list(self._reservations.values()):
             self._end_reservation(handle, TransferState.ABORTED, reason)
+        self._unclaimed.clear()
         streams = list(self._streams.values())
         for stream in streams:
             stream.stop(TransferState.ABORTED, reason)
@@ -214,6 +225,17 @@ class Agent:
         mem = self._mem()
         if request_id in self._reservations:
             raise ConfigError(f"request {request_id!r} already has a reservation")
+        if request_id in self._unclaimed:
+            stream, promised = self._unclaimed[request_id]
+            blocks = mem.block_map(dst_blocks, what="destination block")
+            if len(blocks) != stream.nblocks or (promised and promised != blocks.ids):
+                raise InvalidBlockError(
+                    f"the push staged for {request_id!r} carries {stream.nblocks} blocks per "
+                    f"layer{f' for {promised}' if promised else ''}; got {blocks.ids}",
+                    block_ids=blocks.ids, limit=mem.num_blocks)
+            del self._unclaimed[request_id]
+            stream.claim(blocks)
+            return stream.handle
         if len(self._reservations) + len(self._streams) >= self.config.max_transfers:
             raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
         blocks = mem.block_map(dst_blocks, what="destination block")
@@ -243,30 +265,55 @@ class Agent:
                           f"{mem.layout.fingerprint} ({mem.layout.describe()})")
         if msg.codec != "none":
             return reject("incompatible", f"codec {msg.codec!r} is not supported here")
-        handle = self._reservations.get(msg.request_id)
-        if handle is None:
-            return reject("no_reservation", f"no blocks reserved for request {msg.request_id!r}")
         if msg.transfer_id in self._streams:
             return reject("duplicate", f"transfer {msg.transfer_id} is already running")
-        if len(msg.src_blocks) != len(handle.blocks) or (
-                msg.dst_blocks and msg.dst_blocks != handle.blocks.ids):
-            return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map onto "
-                          f"the {len(handle.blocks)} blocks reserved for {msg.request_id!r}")
+        if msg.request_id in self._unclaimed:
+            return reject("duplicate", f"request {msg.request_id!r} already has a staged push")
         try:
             Subjects.check_instance_id(msg.src)
         except ConfigError as exc:
             return reject("malformed", str(exc))
-        del self._reservations[msg.request_id]
-        t = handle.transfer
-        t.transfer_id, t.peer = msg.transfer_id, msg.src
+        if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
+            return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
+                          f"in {mem.num_blocks} registered blocks")
+        handle = self._reservations.get(msg.request_id)
+        staged: dict[int, torch.Tensor] | None = None
+        if handle is None:
+            # No reservation yet: hold the whole push in staging until the engine claims it
+            # with expect(), or refuse at once when the bounded pool has no room (the sender
+            # backs off and retries for staging_wait_s).
+            single = single_message_for(mem, is_run(msg.src_blocks), dst_contiguous=False)
+            layer_bytes = mem.planes * mem.plane_bytes(len(msg.src_blocks))
+            slots = self.staging.try_acquire_all(
+                [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
+            if slots is None:
+                return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
+                              f"pool is full ({self.staging.in_use} of {self.staging.max_bytes} B)")
+            staged = dict(enumerate(slots))
+            t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
+                         peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes)
+            handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=None)
+        else:
+            if len(msg.src_blocks) != len(handle.blocks) or (  # type: ignore[arg-type]
+                    msg.dst_blocks and msg.dst_blocks != handle.blocks.ids):  # type: ignore[union-attr]
+                return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map "
+                              f"onto the {len(handle.blocks)} blocks reserved for "  # type: ignore[arg-type]
+                              f"{msg.request_id!r}")
+            del self._reservations[msg.request_id]
+            t = handle.transfer
+            t.transfer_id, t.peer = msg.transfer_id, msg.src
         self.registry.contact(msg.src)
         dst_tag = wire.next_xfer_tag()
         stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
                             src_tag=msg.src_tag, dst_tag=dst_tag,
-                            src_contiguous=is_run(msg.src_blocks))
+                            src_contiguous=is_run(msg.src_blocks), nblocks=len(msg.src_blocks),
+                            staged_slots=staged)
+        if staged is not None:
+            self._unclaimed[msg.request_id] = (stream, list(msg.dst_blocks))
         self._run_stream(msg.transfer_id, stream)
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
-                        dst_address=self.worker_address, dst_blocks=handle.blocks.ids)
+                        dst_address=self.worker_address,
+                        dst_blocks=handle.blocks.ids if handle.blocks else list(msg.dst_blocks))
 
     # -- the prefill side --------------------------------------------------------------
     async def push(
@@ -306,9 +353,7 @@ class Agent:
             deadline_s=timeout or self.config.transfer_timeout_s,
         )
         try:
-            reply = await self._bus_().request(
-                self.subjects.control(dst_instance), manifest,
-                timeout=self.config.request_timeout_s, peer=dst_instance)
+            reply = await self._offer(manifest, dst_instance)
         except KVStreamError as exc:
             self._fail_unstarted(transfer, exc)
             raise
@@ -327,6 +372,26 @@ class Agent:
                             dst_contiguous=is_run(reply.dst_blocks))
         self._run_stream(transfer.transfer_id, stream)
         return handle
+
+    async def _offer(self, manifest: m.Manifest, dst: str) -> m.ControlUnion:
+        """Send the manifest; while the destination answers "busy" (no reservation yet and a
+        full staging pool) back off and retry, for at most ``staging_wait_s``."""
+        reply: m.ControlUnion | None = None
+        try:
+            async for attempt in stamina.retry_context(
+                    on=_Busy, attempts=None, timeout=self.config.staging_wait_s,
+                    wait_initial=0.01, wait_max=0.25, wait_jitter=0.01):
+                with attempt:
+                    reply = await self._bus_().request(
+                        self.subjects.control(dst), manifest,
+                        timeout=self.config.request_timeout_s, peer=dst)
+                    if isinstance(reply, m.Reject) and reply.code == "busy":
+                        raise _Busy(reply.reason)
+        except _Busy as exc:
+            raise TransferError(f"{dst} stayed busy for {self.config.staging_wait_s}s: {exc}",
+                                request_id=manifest.request_id, peer=dst) from None
+        assert reply is not None
+        return reply
 
     def _fail_unstarted(self, transfer: Transfer, exc: Exception) -> None:
         if transfer.finish(TransferState.FAILED, str(exc)):
@@ -347,6 +412,9 @@ class Agent:
                 await stream.run()
             finally:
                 self._streams.pop(transfer_id, None)
+                t = stream.handle.transfer
+                if self._unclaimed.get(t.request_id, (None,))[0] is stream:
+                    del self._unclaimed[t.request_id]
 
         assert self._tg is not None
         self._tg.start_soon(run)
@@ -441,7 +509,7 @@ class Agent:
     def _fail_peer(self, peer: str) -> None:
         reason = f"peer lost: {self.registry.why_dead(peer)}"
         for stream in list(self._streams.values()):
-            if stream.peer == peer:
+            if stream.peer == peer and not (isinstance(stream, RecvStream) and stream.all_received):
                 log.warning("%r: %s", stream.handle.transfer, reason)
                 stream.stop(TransferState.FAILED, reason, peer_dead=True)
 
@@ -452,11 +520,19 @@ class Agent:
             now = time.monotonic()
             for stream in list(self._streams.values()):
                 t = stream.handle.transfer
-                if not self.registry.alive(stream.peer):
+                received = isinstance(stream, RecvStream) and stream.all_received
+                if not received and not self.registry.alive(stream.peer):
                     self._fail_peer(stream.peer)
                 elif now - t.started_at > self.config.transfer_timeout_s:
                     stream.stop(TransferState.TIMED_OUT,
                                 f"not done after {self.config.transfer_timeout_s}s")
+            for request_id, (stream, _) in list(self._unclaimed.items()):
+                t = stream.handle.transfer
+                if now - t.started_at > self.config.reservation_timeout_s:
+                    del self._unclaimed[request_id]
+                    self._count("staged_dropped", 1)
+                    stream.stop(TransferState.TIMED_OUT, "staged push never claimed within "
+                                f"{self.config.reservation_timeout_s}s; dropped")
             for handle in list(self._reservations.values()):
                 if now - handle.transfer.started_at > self.config.reservation_timeout_s:
                     self._end_reservation(handle, TransferState.TIMED_OUT,
@@ -480,6 +556,8 @@ class Agent:
             bytes_received=c["bytes_received"],
             malformed_messages=self._bus.malformed if self._bus else 0,
             peers_alive=len(self.registry.instances()),
+            staged_transfers=len(self._unclaimed),
+            staged_dropped=c["staged_dropped"],
         )
 
     def peers(self, role: str | None = None) -> list[m.Announce]:

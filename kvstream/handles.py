@@ -119,8 +119,9 @@ class ReceiveHandle(_Handle):
     """Decode side: await layers as they land in the reserved blocks."""
 
     def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]],
-                 *, blocks: BlockMap) -> None:
+                 *, blocks: BlockMap | None) -> None:
         super().__init__(transfer, aborter)
+        # None while a push that arrived before the reservation waits in staging.
         self.blocks = blocks
         self._layer_events = [anyio.Event() for _ in range(transfer.num_layers)]
         transfer.on_release(self._wake_all)

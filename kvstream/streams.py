@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import numpy as np
 
 from kvstream._exceptions import KVStreamError, ProtocolError
@@ -36,11 +37,11 @@ if TYPE_CHECKING:
     import torch
 
     from kvstream.config import AgentConfig
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.dataplane.memory import BlockMap, RegisteredKV
     from kvstream.dataplane.staging import StagingPool
     from kvstream.dataplane.ucx import PostedRecv, UcxWorker
 
-__all__ = ["RecvStream", "SendStream", "StreamEnv"]
+__all__ = ["RecvStream", "SendStream", "StreamEnv", "single_message_for"]
 
 log = logging.getLogger("kvstream.transfer")
 
@@ -59,12 +60,16 @@ class StreamEnv:
     count: Callable[[str, int], None]
 
 
-def single_message(env: StreamEnv, src_contiguous: bool, dst_contiguous: bool) -> bool:
+def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool) -> bool:
     """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
     as one message ``[header | payload]`` out of one staging buffer into another (one
     rendezvous instead of one per plane plus a header); otherwise as a header message plus
     one message per plane, so a contiguous end moves its blocks in place."""
-    return not src_contiguous and not dst_contiguous and env.memory.device.type == "cpu"
+    return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
+
+
+def single_message(env: StreamEnv, src_contiguous: bool, dst_contiguous: bool) -> bool:
+    return single_message_for(env.memory, src_contiguous, dst_contiguous)
 
 
 class _Stream:
@@ -241,17 +246,32 @@ class SendStream(_Stream):
 
 
 class RecvStream(_Stream):
+    """Receive half. Lands layers in the reserved blocks, or, for a push that arrived before
+    the reservation (``staged_slots``), keeps them in staging until ``claim``."""
+
     def __init__(self, env: StreamEnv, handle: ReceiveHandle, *, peer_address: bytes,
-                 src_tag: int, dst_tag: int, src_contiguous: bool) -> None:
+                 src_tag: int, dst_tag: int, src_contiguous: bool, nblocks: int,
+                 staged_slots: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__(env, handle.transfer.peer, peer_address)
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
-        self.single = single_message(env, src_contiguous, handle.blocks.contiguous_start is not None)
+        self.nblocks = nblocks
+        dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
+        self.single = single_message(env, src_contiguous, dst_run)
         self._posted: dict[int, list[PostedRecv]] = {}
-        self._slots: dict[int, torch.Tensor] = {}
+        self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
+        self.prestaged = staged_slots is not None
+        self._staged: set[int] = set()  # layers received into staging, not yet in blocks
+        self.received = 0
+        self._done_sent = False
+        self._lands: anyio.abc.TaskGroup | None = None
         self._released = False
         self.quiesced.set()  # the receiver sends no data; only credits
+
+    @property
+    def all_received(self) -> bool:
+        return self.received == self.handle.transfer.num_layers
 
     def _post_layer(self, layer: int, slot: torch.Tensor | None) -> Any:
         """Post this layer's receives now; returns the buffer its header will land in."""
@@ -263,15 +283,31 @@ class RecvStream(_Stream):
             return slot[:wire.HEADER_CAPACITY].numpy()
         hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
         if slot is None:
+            assert blocks is not None  # only a reserved, contiguous destination is direct
             targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
         else:
-            view = mem.staging_view(slot, len(blocks))
+            view = mem.staging_view(slot, self.nblocks)
             targets = [view[p] for p in range(mem.planes)]
         posted = [worker.post_recv(hdr, wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))]
         posted += [worker.post_recv(tgt, wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + p))
                    for p, tgt in enumerate(targets)]
         self._posted[layer] = posted
         return hdr
+
+    async def _scatter(self, layer: int) -> None:
+        """Staging -> the reserved blocks, then the layer counts as landed."""
+        env, h = self.env, self.handle
+        assert h.blocks is not None
+        slot = self._slots.get(layer)
+        if slot is not None:
+            prefix = wire.HEADER_CAPACITY if self.single else 0
+            view = env.memory.staging_view(slot[prefix:], self.nblocks)
+            await run_copy(env.memory.scatter, layer, h.blocks, view)
+            env.staging.release(self._slots.pop(layer))
+        h.mark_layer(layer)
+        if h.transfer.all_layers_done:
+            self._outcome = self._outcome or (TransferState.COMPLETED, "")
+            self._loop_scope.cancel()
 
     async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
@@ -281,41 +317,61 @@ class RecvStream(_Stream):
             if self._outcome is not None:
                 return
             header = wire.decode_header(hdr.data)
-            want = env.memory.planes * env.memory.plane_bytes(len(h.blocks))
+            want = env.memory.planes * env.memory.plane_bytes(self.nblocks)
             if (header.xfer_tag, header.layer, header.nbytes) != (self.dst_tag, layer, want):
                 raise ProtocolError(
                     f"layer {layer}: header says tag {header.xfer_tag:#x} layer {header.layer} "
                     f"{header.nbytes} bytes; expected {self.dst_tag:#x}, {layer}, {want}")
-            slot = self._slots.get(layer)
-            if slot is not None:
-                prefix = wire.HEADER_CAPACITY if self.single else 0
-                view = env.memory.staging_view(slot[prefix:], len(h.blocks))
-                await run_copy(env.memory.scatter, layer, h.blocks, view)
             del self._posted[layer]
-            h.mark_layer(layer)
             env.count("bytes_received", want)
-            if h.transfer.all_layers_done:
-                self._outcome = self._outcome or (TransferState.COMPLETED, "")
-                self._loop_scope.cancel()
+            self.received += 1
+            if h.blocks is None:
+                self._staged.add(layer)  # no reservation yet: it waits in staging
+            else:
+                await self._scatter(layer)
+            if self.all_received and not self._done_sent:
+                # The sender may release its blocks now, claimed or not.
+                self._done_sent = True
+                await env.publish_done(self.peer, msgspec.structs.replace(
+                    h.transfer.result(), status=TransferState.COMPLETED.value))
         except KVStreamError as exc:
             self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
         finally:
             posted = self._posted.get(layer)
-            # A slot with a receive still posted on it is released after the drain.
-            if posted is None or all(r.completed for r in posted):
+            # A slot with a receive still posted on it is released after the drain; a staged
+            # layer's slot when it is claimed or dropped.
+            if (posted is None or all(r.completed for r in posted)) and layer not in self._staged:
                 slot = self._slots.pop(layer, None)
                 if slot is not None:
                     env.staging.release(slot)
             limiter.release()
 
+    def claim(self, blocks: BlockMap) -> None:
+        """The engine reserved blocks for a push already (partly) staged: move it in."""
+        self.handle.blocks = blocks
+        staged, self._staged = sorted(self._staged), set()
+        if self._lands is not None:
+            self._lands.start_soon(self._land_staged, staged)
+
+    async def _land_staged(self, layers: list[int]) -> None:
+        try:
+            for layer in layers:
+                if self._outcome is not None and self._outcome[0] is not TransferState.COMPLETED:
+                    return
+                await self._scatter(layer)
+        except KVStreamError as exc:
+            self.stop(TransferState.FAILED, f"moving staged layers in: {exc}")
+
     async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
         env, h, t = self.env, self.handle, self.handle.transfer
         mem = env.memory
-        direct = h.blocks.contiguous_start is not None
-        window = t.num_layers if direct else env.config.max_inflight_layers
+        self._lands = lands
+        direct = not self.prestaged and h.blocks is not None and \
+            h.blocks.contiguous_start is not None
+        window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
-        nbytes = mem.planes * mem.plane_bytes(len(h.blocks))
+        nbytes = mem.planes * mem.plane_bytes(self.nblocks)
         if self.single:
             nbytes += wire.HEADER_CAPACITY
         credited = 0
@@ -333,8 +389,8 @@ class RecvStream(_Stream):
             except anyio.WouldBlock:
                 await flush_credit(layer)
                 await limiter.acquire()
-            slot = None
-            if not direct:
+            slot = self._slots.get(layer)
+            if slot is None and not direct:
                 try:
                     slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
                 except BaseException:
@@ -390,10 +446,11 @@ class RecvStream(_Stream):
         for slot in self._slots.values():
             env.staging.release(slot)
         self._slots.clear()
+        self._staged.clear()
         state, reason = self._outcome or (TransferState.FAILED, "stream ended without an outcome")
         if t.finish(state, reason):
             env.count(state.value, 1)
-            if state is TransferState.COMPLETED:
+            if state is TransferState.COMPLETED and not self._done_sent:
                 await env.publish_done(self.peer, t.result())
         self.quiesced.set()
         self.stopped.set()

@@ -65,6 +65,9 @@ class StagingPool:
             raise TransferTimeout(
                 f"staging pool full ({self.in_use} of {self.max_bytes} bytes) for {timeout}s"
             ) from None
+        return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
         for i, buf in enumerate(self._cached):
             if buf.numel() >= nbytes:
                 self._cached.pop(i)
@@ -79,6 +82,15 @@ class StagingPool:
         self.peak = max(self.peak, self.in_use)
         self._lent[buf.data_ptr()] = buf
         return buf[:nbytes]
+
+    def try_acquire_all(self, sizes: list[int]) -> list[torch.Tensor] | None:
+        """All of ``sizes`` now, or nothing (for a push that must be staged whole)."""
+        if self.in_use + sum(sizes) > self.max_bytes:
+            return None
+        bufs = []
+        for n in sizes:
+            bufs.append(self._take(n))
+        return bufs
 
     def release(self, view: torch.Tensor) -> None:
         buf = self._lent.pop(view.data_ptr())

@@ -158,8 +158,6 @@ async def test_invalid_block_ids_are_rejected_before_any_byte_moves(nats_server)
             await p.push("r1", "d-bad", [1, 2])  # does not map onto the reservation
         with pytest.raises(InvalidBlockError):
             await p.push("r1", "d-bad", [1, 2, 3], dst_blocks=[1, 2, 4])
-        with pytest.raises(TransferError, match="no blocks reserved"):
-            await p.push("unknown", "d-bad", [0, 1])
         assert d.statistics().bytes_received == 0 and p.statistics().bytes_sent == 0
         assert d.statistics().reservations_active == 1  # the reservation survives bad offers
         await handle.abort("test over")
@@ -256,3 +254,85 @@ async def test_agent_without_url_uses_or_starts_nats_on_the_default_url():
                 await anyio.sleep(0.05)
     # An embedded server belongs to the agent that started it and ends with it.
     assert is_listening(DEFAULT_NATS_URL) == was_listening
+
+
+# -- pushes that arrive before the reservation -------------------------------------------------
+
+def _layer_bytes(lay, nblocks: int) -> int:
+    return lay.block_bytes * nblocks
+
+
+@pytest.mark.parametrize("claim_after", [0, 3, 8])
+async def test_push_before_reservation_is_staged_then_claimed(nats_server, claim_after):
+    lay = small_layout(layers=8)
+    async with Agent(cfg(f"p-early{claim_after}", nats_server), layout=lay,
+                     kv_caches=cache(lay, 16, fill=True)) as p, \
+            Agent(cfg(f"d-early{claim_after}", nats_server), layout=lay,
+                  kv_caches=cache(lay, 16, fill=False)) as d:
+        tx = await p.push("early", f"d-early{claim_after}", [3, 1, 12])  # nothing reserved yet
+        for layer in range(claim_after):
+            tx.layer_ready(layer)
+        with anyio.fail_after(10):
+            while d.statistics().bytes_received < claim_after * _layer_bytes(lay, 3):
+                await anyio.sleep(0.01)
+        assert d.statistics().staged_transfers == 1
+        assert d.statistics().staging_bytes_in_use > 0
+        rx = d.expect("early", [0, 9, 4])  # the engine reserves: staged layers move in
+        tx.all_ready()
+        with anyio.fail_after(10):
+            await rx.wait()
+            await tx.wait()
+        for layer in range(lay.num_layers):
+            for a, b in ((3, 0), (1, 9), (12, 4)):
+                assert torch.equal(p.memory.read_block(layer, a), d.memory.read_block(layer, b))
+        await settle(p, d)
+        assert_at_rest(p, d)
+        assert d.statistics().staged_transfers == 0
+
+
+async def test_unclaimed_staged_push_is_dropped_and_counted(nats_server):
+    lay = small_layout()
+    async with Agent(cfg("p-drop", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
+            Agent(cfg("d-drop", nats_server, reservation_timeout_s=0.5), layout=lay,
+                  kv_caches=cache(lay, 8, fill=False)) as d:
+        tx = await p.push("never-claimed", "d-drop", [1, 2])
+        tx.all_ready()
+        with anyio.fail_after(10):
+            # The sender is done as soon as everything is staged: it releases its blocks.
+            assert (await tx.wait()).ok
+            while d.statistics().staged_dropped == 0:
+                await anyio.sleep(0.05)
+        await settle(d)
+        s = d.statistics()
+        assert (s.staged_transfers, s.timed_out, s.staging_bytes_in_use) == (0, 1, 0)
+        assert d.memory.read_block(0, 1).count_nonzero() == 0  # nothing was written anywhere
+
+
+async def test_full_staging_pool_gives_bounded_backpressure(nats_server):
+    lay = small_layout()
+    one_push = lay.num_layers * (_layer_bytes(lay, 2) + 512)
+    async with Agent(cfg("p-full", nats_server, staging_wait_s=0.6), layout=lay,
+                     kv_caches=cache(lay, 8, fill=True)) as p, \
+            Agent(cfg("d-full", nats_server, staging_bytes=one_push), layout=lay,
+                  kv_caches=cache(lay, 8, fill=False)) as d:
+        first = await p.push("a", "d-full", [1, 5])
+        first.all_ready()
+        t = time.monotonic()
+        with pytest.raises(TransferError, match="busy"):
+            await p.push("b", "d-full", [2, 6])  # no room to stage it: waits, then gives up
+        assert 0.5 < time.monotonic() - t < 5
+        d.expect("a", [0, 3])  # claiming the first frees the pool ...
+
+        async def claim_later() -> None:
+            await anyio.sleep(0.2)
+            rx = d.expect("c", [4, 7])
+            await rx.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(claim_later)
+            third = await p.push("c", "d-full", [2, 6])  # ... so this one gets in
+            third.all_ready()
+            with anyio.fail_after(10):
+                await third.wait()
+        await settle(p, d)
+        assert_at_rest(p, d)
