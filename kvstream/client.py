@@ -308,10 +308,20 @@ class _SidecarClient:
         self._handles.clear()
 
     # -- API -----------------------------------------------------------------------------
-    async def register_kv(self, layout: KVLayout, layers: SharedKV) -> None:
-        """Hand shared KV to the sidecar; then the names are unlinked (no leak on a crash)."""
+    async def register_kv(self, layout: KVLayout,
+                          layers: SharedKV | Sequence[torch.Tensor]) -> None:
+        """Hand KV to the sidecar: host KV allocated with ``SharedKV`` (the names are then
+        unlinked: no leak on a crash), or CUDA tensors (shared through IPC handles; keep
+        them alive while registered)."""
         if not isinstance(layers, SharedKV):
-            raise errors.LayoutError("a sidecar needs KV allocated with kvstream.shm.SharedKV")
+            if not layers or not all(getattr(t, "is_cuda", False) for t in layers):
+                raise errors.LayoutError("a sidecar needs host KV allocated with "
+                                         "kvstream.SharedKV, or CUDA tensors")
+            from kvstream.cuda_ipc import export_cuda
+
+            await self.request(lp.RegisterKV(cuda=[export_cuda(t) for t in layers],
+                                             layout=layout))
+            return
         if layers.spec.layout != layout:
             raise errors.LayoutError("the shared KV was allocated for another layout")
         try:

@@ -14,6 +14,8 @@ from typing import Final, Literal
 import msgspec
 
 from kvstream._exceptions import MessageDecodeError
+from kvstream.cuda_ipc import CudaTensorHandle
+from kvstream.layout import KVLayout
 from kvstream.shm import SharedKVSpec
 from kvstream.transfer import TransferResult
 
@@ -51,10 +53,12 @@ class Hello(LocalMessage, tag="hello"):
 
 
 class RegisterKV(LocalMessage, tag="register_kv"):
-    """Host KV in shared memory by name; device KV through CUDA IPC handles (``cuda``)."""
+    """Host KV in shared memory by name; device KV through CUDA IPC handles (``cuda``,
+    one per layer, with ``layout``)."""
 
     shared: SharedKVSpec | None = None
-    cuda: list[bytes] = []
+    cuda: list[CudaTensorHandle] = []
+    layout: KVLayout | None = None
 
 
 class Expect(LocalMessage, tag="expect"):

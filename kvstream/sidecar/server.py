@@ -64,6 +64,7 @@ class _Session:
         self.handles: dict[int, SendHandle | ReceiveHandle] = {}
         self.ids = itertools.count(1)
         self.shared: SharedKV | None = None
+        self.cuda = False  # device KV mapped through CUDA IPC
 
     async def send(self, msg: lp.LocalMessage) -> None:
         async with self.lock:
@@ -134,24 +135,30 @@ class _Session:
         try:
             if self.agent.memory is not None:
                 raise ConfigError("this sidecar already serves registered KV memory")
-            if msg.shared is None:
-                raise LayoutError("only shared host memory can be registered with a sidecar "
-                                  "here (CUDA IPC needs a GPU build)")
+            layout = msg.shared.layout if msg.shared is not None else msg.layout
+            if layout is None or (msg.shared is None and not msg.cuda):
+                raise LayoutError("register shared host memory, or CUDA IPC handles with a layout")
             expected = self.sidecar.layout
-            if expected is not None and msg.shared.layout != expected:
+            if expected is not None and layout != expected:
                 raise LayoutError(f"this sidecar serves {expected.describe()}; the engine "
-                                  f"registered {msg.shared.layout.describe()}")
-            shared = SharedKV.attach(msg.shared)
-            try:
-                self.agent.register_kv(msg.shared.layout, shared.layers)
-            except KVStreamError:
-                shared.close()
-                raise
-            self.shared = shared
+                                  f"registered {layout.describe()}")
+            if msg.shared is not None:
+                shared = SharedKV.attach(msg.shared)
+                try:
+                    self.agent.register_kv(layout, shared.layers)
+                except KVStreamError:
+                    shared.close()
+                    raise
+                self.shared = shared
+            else:
+                from kvstream.cuda_ipc import import_cuda
+
+                self.agent.register_kv(layout, [import_cuda(h) for h in msg.cuda])
+                self.cuda = True
         except KVStreamError as exc:
             await self.reply_error(msg.id, exc)
             return
-        await self.send(lp.Ok(id=msg.id, num_layers=msg.shared.layout.num_layers))
+        await self.send(lp.Ok(id=msg.id, num_layers=layout.num_layers))
 
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
         try:
@@ -194,10 +201,11 @@ class _Session:
             if not handle.done:
                 await handle.abort(reason)
         self.handles.clear()
-        if self.shared is not None:
+        if self.shared is not None or self.cuda:
             await self.agent.unregister_kv(reason)
-            self.shared.close()
-            self.shared = None
+            if self.shared is not None:
+                self.shared.close()
+            self.shared, self.cuda = None, False
             log.info("engine memory released")
         with contextlib.suppress(Exception):
             await self.stream.aclose()

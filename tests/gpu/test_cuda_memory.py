@@ -29,3 +29,30 @@ async def test_push_between_gpu_caches(nats_server):
             for layer in range(4):
                 for a, b in zip(sb, db, strict=True):
                     assert torch.equal(p.memory.read_block(layer, a), d.memory.read_block(layer, b))
+
+
+async def test_sidecar_maps_cuda_kv_through_ipc(tmp_path, nats_server):
+    from kvstream import Client, Sidecar
+
+    lay = small_layout(layers=4)
+    src = [torch.randn(lay.tensor_shape(16), device="cuda").half() for _ in range(4)]
+    dst = [torch.zeros(lay.tensor_shape(16), device="cuda").half() for _ in range(4)]
+    cfg = {"nats_url": nats_server.url, "heartbeat_s": 0.25, "peer_timeout_s": 1.0}
+    async with anyio.create_task_group() as tg:
+        for name in ("gsp", "gsd"):
+            await tg.start(Sidecar(AgentConfig(instance_id=name, **cfg),
+                                   str(tmp_path / f"{name}.sock")).serve)
+        async with Client.connect(str(tmp_path / "gsp.sock")) as p, \
+                Client.connect(str(tmp_path / "gsd.sock")) as d:
+            await p.register_kv(lay, src)
+            await d.register_kv(lay, dst)
+            rx = await d.expect("r", [0, 5])
+            tx = await p.push("r", "gsd", [3, 9])
+            tx.all_ready()
+            with anyio.fail_after(30):
+                await rx.wait()
+            torch.cuda.synchronize()
+            for layer in range(4):
+                assert torch.equal(src[layer][:, 3], dst[layer][:, 0])
+                assert torch.equal(src[layer][:, 9], dst[layer][:, 5])
+        tg.cancel_scope.cancel()

@@ -99,3 +99,16 @@ def test_registry_liveness():
     assert not reg.alive("p") and "shut down" in reg.why_dead("p")
     assert "never" in reg.why_dead("x")
     assert reg.instances(role="prefill") == []
+
+
+@pytest.mark.anyio
+async def test_sidecar_registration_needs_shared_or_cuda_memory():
+    from kvstream.client import Client
+    from kvstream.cuda_ipc import export_cuda
+
+    lay = small_layout()
+    client = Client.connect("/nonexistent.sock")  # not connected: the check comes first
+    with pytest.raises(LayoutError, match="SharedKV"):
+        await client.register_kv(lay, cache(lay, 4, fill=False))
+    with pytest.raises(LayoutError, match="CUDA"):
+        export_cuda(torch.zeros(4))

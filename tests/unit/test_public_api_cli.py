@@ -14,7 +14,7 @@ def test_all_names_the_public_surface():
     public = {n for n in dir(kvstream) if not n.startswith("_")} - {
         "agent", "config", "control", "dataplane", "handles", "layout", "planner", "presets",
         "streams", "transfer", "quant", "adapters", "bench", "cli", "blocking", "client", "shm",
-        "sidecar"}
+        "sidecar", "cuda_ipc"}
     assert set(kvstream.__all__) == public
     assert all(issubclass(getattr(kvstream, n), kvstream.KVStreamError)
                for n in kvstream.__all__ if n.endswith("Error") or n == "TransferTimeout")
