@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from kvstream._exceptions import (
     ProtocolError,
     TransferError,
 )
+from kvstream.admission import Admission
 from kvstream.config import AgentConfig
 from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
@@ -39,7 +39,8 @@ from kvstream.dataplane.staging import StagingPool
 from kvstream.dataplane.ucx import UcxWorker
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.layout import KVLayout
-from kvstream.streams import RecvStream, SendStream, StreamEnv, single_message_for
+from kvstream.liveness import Liveness
+from kvstream.streams import RecvStream, SendStream, StreamEnv
 from kvstream.transfer import Side, Transfer, TransferResult, TransferState
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class _Busy(Exception):
     """A destination's "busy" answer, retried with backoff (internal)."""
 
 
-class Agent:
+class Agent(Admission, Liveness):
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
 
     def __init__(self, config: AgentConfig, *, layout: KVLayout | None = None,
@@ -251,69 +252,6 @@ class Agent:
         self._reservations.pop(handle.request_id, None)
         if handle.transfer.finish(state, reason):
             self._count(state.value, 1)
-
-    async def _on_manifest(self, msg: m.Manifest) -> m.ControlMessage:
-        def reject(code: m.RejectCode, reason: str) -> m.Reject:
-            log.warning("rejected transfer %s from %s: %s", msg.transfer_id, msg.src, reason)
-            return m.Reject(transfer_id=msg.transfer_id, code=code, reason=reason)
-
-        mem = self.memory
-        if mem is None:
-            return reject("no_reservation", f"{self.instance_id} has no registered KV memory")
-        if msg.fingerprint != mem.layout.fingerprint or msg.num_layers != mem.layout.num_layers:
-            return reject("incompatible", f"layout fingerprint {msg.fingerprint} != "
-                          f"{mem.layout.fingerprint} ({mem.layout.describe()})")
-        if msg.codec != "none":
-            return reject("incompatible", f"codec {msg.codec!r} is not supported here")
-        if msg.transfer_id in self._streams:
-            return reject("duplicate", f"transfer {msg.transfer_id} is already running")
-        if msg.request_id in self._unclaimed:
-            return reject("duplicate", f"request {msg.request_id!r} already has a staged push")
-        try:
-            Subjects.check_instance_id(msg.src)
-        except ConfigError as exc:
-            return reject("malformed", str(exc))
-        if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
-            return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
-                          f"in {mem.num_blocks} registered blocks")
-        handle = self._reservations.get(msg.request_id)
-        staged: dict[int, torch.Tensor] | None = None
-        if handle is None:
-            # No reservation yet: hold the whole push in staging until the engine claims it
-            # with expect(), or refuse at once when the bounded pool has no room (the sender
-            # backs off and retries for staging_wait_s).
-            single = single_message_for(mem, is_run(msg.src_blocks), dst_contiguous=False)
-            layer_bytes = mem.planes * mem.plane_bytes(len(msg.src_blocks))
-            slots = self.staging.try_acquire_all(
-                [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
-            if slots is None:
-                return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
-                              f"pool is full ({self.staging.in_use} of {self.staging.max_bytes} B)")
-            staged = dict(enumerate(slots))
-            t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
-                         peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes)
-            handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=None)
-        else:
-            if len(msg.src_blocks) != len(handle.blocks) or (  # type: ignore[arg-type]
-                    msg.dst_blocks and msg.dst_blocks != handle.blocks.ids):  # type: ignore[union-attr]
-                return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map "
-                              f"onto the {len(handle.blocks)} blocks reserved for "  # type: ignore[arg-type]
-                              f"{msg.request_id!r}")
-            del self._reservations[msg.request_id]
-            t = handle.transfer
-            t.transfer_id, t.peer = msg.transfer_id, msg.src
-        self.registry.contact(msg.src)
-        dst_tag = wire.next_xfer_tag()
-        stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
-                            src_tag=msg.src_tag, dst_tag=dst_tag,
-                            src_contiguous=is_run(msg.src_blocks), nblocks=len(msg.src_blocks),
-                            staged_slots=staged)
-        if staged is not None:
-            self._unclaimed[msg.request_id] = (stream, list(msg.dst_blocks))
-        self._run_stream(msg.transfer_id, stream)
-        return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
-                        dst_address=self.worker_address,
-                        dst_blocks=handle.blocks.ids if handle.blocks else list(msg.dst_blocks))
 
     # -- the prefill side --------------------------------------------------------------
     async def push(
@@ -479,64 +417,6 @@ class Agent:
             case _:
                 return m.Reject(transfer_id="", code="malformed",
                                 reason=f"{type(msg).__name__} is not a control request")
-
-    async def _on_registry(self, msg: m.ControlUnion, headers: dict[str, str]) -> None:
-        match msg:
-            case m.Announce() if msg.instance_id != self.instance_id:
-                self.registry.observe(msg)
-            case m.Leave() if msg.instance_id != self.instance_id:
-                self.registry.leave(msg.instance_id)
-                self._fail_peer(msg.instance_id)
-        return None
-
-    async def _announce(self) -> None:
-        self._seq += 1
-        mem = self.memory
-        await self._bus_().publish(self.subjects.registry(self.instance_id), m.Announce(
-            instance_id=self.instance_id, role=self.config.role,
-            worker_address=self.worker_address, layout=mem.layout if mem else self._layout,
-            num_blocks=mem.num_blocks if mem else 0, load=float(len(self._streams)),
-            heartbeat_s=self.config.heartbeat_s, seq=self._seq))
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await anyio.sleep(self.config.heartbeat_s)
-            try:
-                await self._announce()
-            except KVStreamError as exc:
-                log.warning("heartbeat not sent: %s", exc)
-
-    def _fail_peer(self, peer: str) -> None:
-        reason = f"peer lost: {self.registry.why_dead(peer)}"
-        for stream in list(self._streams.values()):
-            if stream.peer == peer and not (isinstance(stream, RecvStream) and stream.all_received):
-                log.warning("%r: %s", stream.handle.transfer, reason)
-                stream.stop(TransferState.FAILED, reason, peer_dead=True)
-
-    async def _watchdog_loop(self) -> None:
-        period = min(self.config.heartbeat_s, 0.25)
-        while True:
-            await anyio.sleep(period)
-            now = time.monotonic()
-            for stream in list(self._streams.values()):
-                t = stream.handle.transfer
-                received = isinstance(stream, RecvStream) and stream.all_received
-                if not received and not self.registry.alive(stream.peer):
-                    self._fail_peer(stream.peer)
-                elif now - t.started_at > self.config.transfer_timeout_s:
-                    stream.stop(TransferState.TIMED_OUT,
-                                f"not done after {self.config.transfer_timeout_s}s")
-            for request_id, (stream, _) in list(self._unclaimed.items()):
-                t = stream.handle.transfer
-                if now - t.started_at > self.config.reservation_timeout_s:
-                    del self._unclaimed[request_id]
-                    self._count("staged_dropped", 1)
-                    stream.stop(TransferState.TIMED_OUT, "staged push never claimed within "
-                                f"{self.config.reservation_timeout_s}s; dropped")
-            for handle in list(self._reservations.values()):
-                if now - handle.transfer.started_at > self.config.reservation_timeout_s:
-                    self._end_reservation(handle, TransferState.TIMED_OUT,
-                                          f"no manifest within {self.config.reservation_timeout_s}s")
 
     # -- introspection -----------------------------------------------------------------
     def _count(self, key: str, n: int) -> None:

@@ -27,7 +27,7 @@ import msgspec
 
 from kvstream import _exceptions as errors
 from kvstream._exceptions import ControlPlaneError, KVStreamError
-from kvstream.handles import error_for
+from kvstream.handles import Waitable, error_for
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
@@ -55,7 +55,7 @@ def _error(kind: str, message: str) -> KVStreamError:
     return KVStreamError(f"{kind}: {message}")
 
 
-class _RemoteHandle:
+class _RemoteHandle(Waitable):
     def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str):
         self._client = client
         self.hid = hid
@@ -77,12 +77,6 @@ class _RemoteHandle:
         await self._finished.wait()
         assert self._result is not None
         return self._result
-
-    async def wait(self) -> TransferResult:
-        result = await self.result()
-        if not result.ok:
-            raise error_for(result)
-        return result
 
     async def abort(self, reason: str = "aborted by the engine") -> TransferResult:
         if not self.done:

@@ -38,7 +38,21 @@ def error_for(result: TransferResult) -> TransferError:
                 f"{result.status}: {result.reason}", request_id=result.request_id, peer=result.peer)
 
 
-class _Handle:
+class Waitable:
+    """``wait()`` on top of a ``result()``: shared by local and sidecar handles."""
+
+    async def result(self) -> TransferResult:
+        raise NotImplementedError
+
+    async def wait(self) -> TransferResult:
+        """Wait for completion; raises the matching ``TransferError`` otherwise."""
+        result = await self.result()
+        if not result.ok:
+            raise error_for(result)
+        return result
+
+
+class _Handle(Waitable):
     def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]]) -> None:
         self.transfer = transfer
         self._aborter = aborter
@@ -61,13 +75,6 @@ class _Handle:
         """Wait for the terminal outcome; never raises for a failed transfer."""
         await self._finished.wait()
         return self.transfer.result()
-
-    async def wait(self) -> TransferResult:
-        """Wait for completion; raises the matching ``TransferError`` otherwise."""
-        result = await self.result()
-        if not result.ok:
-            raise error_for(result)
-        return result
 
     async def abort(self, reason: str = "aborted by the engine") -> TransferResult:
         """Stop the transfer on both sides; returns once this side has released everything."""
