@@ -320,7 +320,7 @@ async def test_full_staging_pool_gives_bounded_backpressure(nats_server):
         t = time.monotonic()
         with pytest.raises(TransferError, match="busy"):
             await p.push("b", "d-full", [2, 6])  # no room to stage it: waits, then gives up
-        assert 0.5 < time.monotonic() - t < 5
+        assert 0.5 < time.monotonic() - t < 15  # it waited, boundedly
         d.expect("a", [0, 3])  # claiming the first frees the pool ...
 
         async def claim_later() -> None:
