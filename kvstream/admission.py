@@ -8,6 +8,7 @@ staging pool until ``expect()`` claims it, or refuse it with a clear reason.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from kvstream._exceptions import ConfigError
@@ -80,6 +81,7 @@ class Admission:
             del self._reservations[msg.request_id]
             t = handle.transfer
             t.transfer_id, t.peer = msg.transfer_id, msg.src
+            t.started_at = time.monotonic()  # the transfer deadline counts from the offer
         self.registry.contact(msg.src)
         dst_tag = wire.next_xfer_tag()
         stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
@@ -91,5 +93,6 @@ class Admission:
         self._run_stream(msg.transfer_id, stream)
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
                         dst_address=self.worker_address,
-                        dst_blocks=handle.blocks.ids if handle.blocks else list(msg.dst_blocks))
+                        # A staged push answers [] so both sides derive the same framing.
+                        dst_blocks=handle.blocks.ids if handle.blocks else [])
 

@@ -348,6 +348,8 @@ class Agent(Admission, Liveness):
         async def run() -> None:
             try:
                 await stream.run()
+            except Exception:  # one transfer's bug must not take the agent down
+                log.exception("%r ended with an unexpected error", stream.handle.transfer)
             finally:
                 self._streams.pop(transfer_id, None)
                 t = stream.handle.transfer

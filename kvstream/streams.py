@@ -132,7 +132,11 @@ class SendStream(_Stream):
         n = self.handle.transfer.num_layers
         while self.granted < n:
             self._credit_recv = self.env.worker.post_recv(buf, tag)
-            await self._credit_recv.wait()
+            try:
+                await self._credit_recv.wait()
+            except KVStreamError as exc:  # a task error must end this transfer, not the agent
+                self.stop(TransferState.FAILED, f"credit receive: {exc}")
+                return
             self._credit_recv = None
             if self._outcome is not None:
                 return
@@ -149,18 +153,21 @@ class SendStream(_Stream):
             if self.single:
                 assert slot is not None  # single framing always stages
                 wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
-                await env.worker.send(self.peer_address, slot,
-                                      wire.make_tag(self.dst_tag, layer, wire.KIND_DATA))
+                messages = [(slot, wire.KIND_DATA)]
             else:
                 hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
                 used = wire.encode_header(header, hdr.data)
-                await env.worker.send(self.peer_address, hdr[:used],
-                                      wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))
-                for i, part in enumerate(parts):
-                    await env.worker.send(self.peer_address, part,
-                                          wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + i))
+                messages = [(hdr[:used], wire.KIND_HEADER)]
+                messages += [(part, wire.KIND_DATA + i) for i, part in enumerate(parts)]
+            for buf, kind in messages:
+                if self._outcome is not None:
+                    return  # stopped: send nothing more (what our AbortAck promises)
+                await env.worker.send(self.peer_address, buf,
+                                      wire.make_tag(self.dst_tag, layer, kind))
             t.layer_done(layer)
             env.count("bytes_sent", nbytes)
+        except KVStreamError as exc:  # a task error must end this transfer, not the agent
+            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
         finally:
             if slot is not None:
                 env.staging.release(slot)
@@ -334,7 +341,7 @@ class RecvStream(_Stream):
                 self._done_sent = True
                 await env.publish_done(self.peer, msgspec.structs.replace(
                     h.transfer.result(), status=TransferState.COMPLETED.value))
-        except KVStreamError as exc:
+        except Exception as exc:  # torch or UCX trouble ends this transfer, not the agent
             self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
         finally:
             posted = self._posted.get(layer)
@@ -359,7 +366,7 @@ class RecvStream(_Stream):
                 if self._outcome is not None and self._outcome[0] is not TransferState.COMPLETED:
                     return
                 await self._scatter(layer)
-        except KVStreamError as exc:
+        except Exception as exc:
             self.stop(TransferState.FAILED, f"moving staged layers in: {exc}")
 
     async def _stream(self, lands: anyio.abc.TaskGroup) -> None:

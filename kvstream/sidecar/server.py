@@ -67,8 +67,10 @@ class _Session:
         self.cuda = False  # device KV mapped through CUDA IPC
 
     async def send(self, msg: lp.LocalMessage) -> None:
+        """Best effort: a gone engine is noticed by the reader, which cleans up."""
         async with self.lock:
-            await self.stream.send(lp.frame(msg))
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await self.stream.send(lp.frame(msg))
 
     async def reply_error(self, req_id: int, exc: Exception) -> None:
         await self.send(lp.Error(id=req_id, kind=type(exc).__name__, message=str(exc)))
@@ -80,7 +82,7 @@ class _Session:
                     try:
                         msg = await read_frame(self.stream)
                     except (MessageDecodeError, anyio.BrokenResourceError,
-                            anyio.ClosedResourceError) as exc:
+                            anyio.ClosedResourceError, anyio.EndOfStream) as exc:
                         log.warning("engine connection dropped: %s", exc)
                         break
                     if msg is None:
@@ -248,4 +250,7 @@ class Sidecar:
                     os.unlink(self.socket_path)
 
     async def _session(self, stream: SocketStream) -> None:
-        await _Session(self, stream).run()
+        try:
+            await _Session(self, stream).run()
+        except Exception:  # one engine's session must not stop the sidecar serving others
+            log.exception("engine session ended with an unexpected error")

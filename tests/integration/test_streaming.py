@@ -336,3 +336,27 @@ async def test_full_staging_pool_gives_bounded_backpressure(nats_server):
                 await third.wait()
         await settle(p, d)
         assert_at_rest(p, d)
+
+
+async def test_staged_push_with_promised_contiguous_blocks(nats_server):
+    """The sender names contiguous destination blocks before the receiver reserved them:
+    both sides must still agree on the framing of a staged push."""
+    lay = small_layout(layers=4)
+    async with Agent(cfg("p-promise", nats_server), layout=lay,
+                     kv_caches=cache(lay, 16, fill=True)) as p, \
+            Agent(cfg("d-promise", nats_server), layout=lay,
+                  kv_caches=cache(lay, 16, fill=False)) as d:
+        tx = await p.push("promised", "d-promise", [9, 2, 14], dst_blocks=[4, 5, 6])
+        tx.all_ready()
+        with anyio.fail_after(10):
+            assert (await tx.wait()).ok  # all staged
+        with pytest.raises(InvalidBlockError):
+            d.expect("promised", [4, 5, 7])  # not what was promised: refused, still staged
+        rx = d.expect("promised", [4, 5, 6])
+        with anyio.fail_after(10):
+            await rx.wait()
+        for layer in range(lay.num_layers):
+            for a, b in ((9, 4), (2, 5), (14, 6)):
+                assert torch.equal(p.memory.read_block(layer, a), d.memory.read_block(layer, b))
+        await settle(p, d)
+        assert_at_rest(p, d)
