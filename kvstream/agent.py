@@ -340,7 +340,8 @@ class Agent(Admission, Liveness):
         assert self._worker is not None  # started; not input validation
         return StreamEnv(config=self.config, worker=self._worker, memory=self._mem(),
                          staging=self.staging, request_abort=self._request_abort,
-                         publish_done=self._publish_done, count=self._count)
+                         publish_done=self._publish_done, count=self._count,
+                         peer_alive=self.registry.alive)
 
     def _run_stream(self, transfer_id: str, stream: _Stream) -> None:
         self._streams[transfer_id] = stream

@@ -244,6 +244,13 @@ class _SidecarClient:
             self._write(lp.frame(msgspec.structs.replace(msg, id=rid)))
             with anyio.fail_after(max(self.timeout, 60.0)):
                 await done.wait()
+        except BaseException:
+            # Cancelled or timed out after the sidecar made a handle: nobody will ever hold
+            # it, so end that transfer instead of leaving it running.
+            for item in box:
+                if isinstance(item, _RemoteHandle):
+                    self._abandon(item.hid)
+            raise
         finally:
             self._pending.pop(rid, None)
         if not box:
@@ -276,6 +283,8 @@ class _SidecarClient:
                 h = self._handles.pop(msg.handle, None)
                 if h is not None:
                     h._finish(msg.result)
+            case lp.Ok() if msg.handle and msg.id and msg.id not in self._pending:
+                self._abandon(msg.handle)  # its request gave up waiting
             case lp.Ok() | lp.Error() if msg.id in self._pending:
                 done, box, make_handle = self._pending[msg.id]
                 if isinstance(msg, lp.Ok) and make_handle is not None:
@@ -287,6 +296,11 @@ class _SidecarClient:
                 done.set()
             case lp.Error():
                 log.warning("sidecar: %s: %s", msg.kind, msg.message)
+
+    def _abandon(self, hid: int) -> None:
+        self._handles.pop(hid, None)
+        with contextlib.suppress(KVStreamError):
+            self.post(lp.Abort(handle=hid, reason="the engine stopped waiting for this request"))
 
     def _lose(self, why: str) -> None:
         if self._lost is not None:

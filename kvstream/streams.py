@@ -58,6 +58,7 @@ class StreamEnv:
     request_abort: Callable[[str, str, str], Awaitable[bool]]
     publish_done: Callable[[str, Any], Awaitable[None]]
     count: Callable[[str, int], None]
+    peer_alive: Callable[[str], bool]
 
 
 def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool) -> bool:
@@ -94,7 +95,10 @@ class _Stream:
             self._peer_initiated = by_peer
         if peer_dead and not self._peer_dead:
             self._peer_dead = True
-            self.env.worker.forget_peer(self.peer_address)
+            # The endpoint is shared by every transfer with that peer: abort it only when
+            # the peer is really gone, not merely slow to acknowledge one abort.
+            if not self.env.peer_alive(self.peer):
+                self.env.worker.forget_peer(self.peer_address)
             self._io_scope.cancel()
         self._loop_scope.cancel()
 
