@@ -426,9 +426,14 @@ class RecvStream(_Stream):
                 # Landing tasks still wait on posted receives unless the transfer completed.
                 if self._posted:
                     await self._release_posted()
+                    if self._stuck():
+                        lands.cancel_scope.cancel()  # bounded: _finish quarantines their slots
         finally:
             with anyio.CancelScope(shield=True):
                 await self._finish()
+
+    def _stuck(self) -> bool:
+        return any(not r.completed for posted in self._posted.values() for r in posted)
 
     async def _release_posted(self) -> None:
         """Make sure no receive stays posted: ask the sender to stop, then drain."""
@@ -454,8 +459,14 @@ class RecvStream(_Stream):
         if self._posted:
             # Reached when cancellation skipped the orderly path in run().
             await self._release_posted()
-        for slot in self._slots.values():
-            env.staging.release(slot)
+        for layer, slot in self._slots.items():
+            posted = self._posted.get(layer, [])
+            if all(r.completed for r in posted):
+                env.staging.release(slot)
+            else:
+                # A receive we could not drain may still write here: never reuse this buffer.
+                log.warning("%r: layer %d's buffer quarantined (receive still posted)", t, layer)
+                env.staging.quarantine(slot)
         self._slots.clear()
         self._staged.clear()
         state, reason = self._outcome or (TransferState.FAILED, "stream ended without an outcome")

@@ -48,6 +48,7 @@ class StagingPool:
         self._cached_bytes = 0
         self._changed = anyio.Event()
         self.peak = 0
+        self.quarantined: list[torch.Tensor] = []
 
     async def acquire(self, nbytes: int, *, timeout: float) -> torch.Tensor:
         """A uint8 tensor of exactly ``nbytes``; waits up to ``timeout`` for room."""
@@ -91,6 +92,15 @@ class StagingPool:
         for n in sizes:
             bufs.append(self._take(n))
         return bufs
+
+    def quarantine(self, view: torch.Tensor) -> None:
+        """Give the capacity back but never reuse (or free) the memory: a receive that could
+        not be drained may still land in it."""
+        buf = self._lent.pop(view.data_ptr())
+        self.in_use -= buf.numel()
+        self.quarantined.append(buf)
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def release(self, view: torch.Tensor) -> None:
         buf = self._lent.pop(view.data_ptr())

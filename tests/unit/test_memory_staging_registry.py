@@ -112,3 +112,14 @@ async def test_sidecar_registration_needs_shared_or_cuda_memory():
         await client.register_kv(lay, cache(lay, 4, fill=False))
     with pytest.raises(LayoutError, match="CUDA"):
         export_cuda(torch.zeros(4))
+
+
+@pytest.mark.anyio
+async def test_quarantined_buffers_are_never_reused():
+    pool = StagingPool(1000)
+    a = await pool.acquire(600, timeout=1)
+    pool.quarantine(a)
+    assert pool.in_use == 0 and len(pool.quarantined) == 1
+    b = await pool.acquire(600, timeout=1)  # the capacity is back ...
+    assert b.data_ptr() != a.data_ptr()  # ... but not the memory
+    pool.release(b)
