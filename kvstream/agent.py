@@ -146,7 +146,8 @@ class Agent(Admission, Liveness):
         self._stack.push_async_callback(_shielded, self._worker.close)
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.push_async_callback(self._shutdown)
-        await self._bus.serve(self.subjects.control(cfg.instance_id), self._on_control)
+        await self._bus.serve(self.subjects.control(cfg.instance_id), self._on_control,
+                              spawn=self._tg.start_soon)
         await self._bus.serve(self.subjects.registry_all, self._on_registry)
         await self._announce()
         await self._bus.flush()

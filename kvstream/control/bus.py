@@ -77,10 +77,22 @@ class ControlBus:
         except nats.errors.Error as exc:
             raise ControlPlaneError(f"NATS publish on {subject} failed: {exc}") from exc
 
-    async def serve(self, subject: str, handler: Handler) -> None:
-        """Subscribe ``handler``; malformed input is logged, answered if possible, and survived."""
+    async def serve(self, subject: str, handler: Handler,
+                    spawn: Callable[..., object] | None = None) -> None:
+        """Subscribe ``handler``; malformed input is logged, answered if possible, and survived.
+
+        nats-py runs one subscription's callbacks one after another; with ``spawn`` (a task
+        group's ``start_soon``) each message is handled in its own task, so a handler that
+        waits (an abort waiting for sends in flight) does not hold up the next message.
+        """
 
         async def on_msg(msg: Msg) -> None:
+            if spawn is not None:
+                spawn(handle, msg)
+            else:
+                await handle(msg)
+
+        async def handle(msg: Msg) -> None:
             try:
                 decoded = m.decode(msg.data)
             except MessageDecodeError as exc:
