@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -35,6 +36,17 @@ pytestmark = pytest.mark.anyio
 def cfg(instance_id: str, nats_server, **kw) -> AgentConfig:
     return AgentConfig(instance_id=instance_id, nats_url=nats_server.url, heartbeat_s=0.25,
                        peer_timeout_s=1.0, request_timeout_s=1.0, **kw)
+
+
+@contextlib.asynccontextmanager
+async def agent_pair(nats_server, p_id: str, d_id: str, lay, nblocks: int, *,
+                     p_kw: dict | None = None, d_kw: dict | None = None):
+    """A prefill agent with filled KV and a decode agent with zeroed KV, same layout."""
+    async with Agent(cfg(p_id, nats_server, **(p_kw or {})), layout=lay,
+                     kv_caches=cache(lay, nblocks, fill=True)) as p, \
+            Agent(cfg(d_id, nats_server, **(d_kw or {})), layout=lay,
+                  kv_caches=cache(lay, nblocks, fill=False)) as d:
+        yield p, d
 
 
 def assert_at_rest(*agents: Agent) -> None:
@@ -147,8 +159,7 @@ async def test_killed_prefill_agent_fails_the_receive(nats_server):
 
 async def test_invalid_block_ids_are_rejected_before_any_byte_moves(nats_server):
     lay = small_layout()
-    async with Agent(cfg("p-bad", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
-            Agent(cfg("d-bad", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=False)) as d:
+    async with agent_pair(nats_server, "p-bad", "d-bad", lay, 8) as (p, d):
         with pytest.raises(InvalidBlockError):
             d.expect("r0", [1, 8])  # 8 is past the end
         handle = d.expect("r1", [1, 2, 3])
@@ -177,8 +188,7 @@ async def test_layout_mismatch_is_refused(nats_server):
 
 async def test_malformed_control_message_is_survived(nats_server):
     lay = small_layout()
-    async with Agent(cfg("p-mal", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
-            Agent(cfg("d-mal", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=False)) as d:
+    async with agent_pair(nats_server, "p-mal", "d-mal", lay, 8) as (p, d):
         nc = await nats.connect(nats_server.url)
         try:
             subj = Subjects("default")
@@ -212,10 +222,7 @@ async def test_malformed_control_message_is_survived(nats_server):
 @pytest.mark.parametrize("who", ["decode", "prefill"])
 async def test_abort_mid_push_releases_both_sides(nats_server, who):
     lay = small_layout(layers=8)
-    async with Agent(cfg(f"p-ab-{who}", nats_server), layout=lay,
-                     kv_caches=cache(lay, 16, fill=True)) as p, \
-            Agent(cfg(f"d-ab-{who}", nats_server), layout=lay,
-                  kv_caches=cache(lay, 16, fill=False)) as d:
+    async with agent_pair(nats_server, f"p-ab-{who}", f"d-ab-{who}", lay, 16) as (p, d):
         rx = d.expect("r", [9, 3, 5])
         tx = await p.push("r", f"d-ab-{who}", [1, 2, 4])
         tx.layer_ready(0)
@@ -265,10 +272,8 @@ def _layer_bytes(lay, nblocks: int) -> int:
 @pytest.mark.parametrize("claim_after", [0, 3, 8])
 async def test_push_before_reservation_is_staged_then_claimed(nats_server, claim_after):
     lay = small_layout(layers=8)
-    async with Agent(cfg(f"p-early{claim_after}", nats_server), layout=lay,
-                     kv_caches=cache(lay, 16, fill=True)) as p, \
-            Agent(cfg(f"d-early{claim_after}", nats_server), layout=lay,
-                  kv_caches=cache(lay, 16, fill=False)) as d:
+    async with agent_pair(nats_server, f"p-early{claim_after}", f"d-early{claim_after}", lay,
+                          16) as (p, d):
         tx = await p.push("early", f"d-early{claim_after}", [3, 1, 12])  # nothing reserved yet
         for layer in range(claim_after):
             tx.layer_ready(layer)
@@ -292,9 +297,8 @@ async def test_push_before_reservation_is_staged_then_claimed(nats_server, claim
 
 async def test_unclaimed_staged_push_is_dropped_and_counted(nats_server):
     lay = small_layout()
-    async with Agent(cfg("p-drop", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
-            Agent(cfg("d-drop", nats_server, reservation_timeout_s=0.5), layout=lay,
-                  kv_caches=cache(lay, 8, fill=False)) as d:
+    async with agent_pair(nats_server, "p-drop", "d-drop", lay, 8,
+                          d_kw=dict(reservation_timeout_s=0.5)) as (p, d):
         tx = await p.push("never-claimed", "d-drop", [1, 2])
         tx.all_ready()
         with anyio.fail_after(10):
@@ -311,10 +315,8 @@ async def test_unclaimed_staged_push_is_dropped_and_counted(nats_server):
 async def test_full_staging_pool_gives_bounded_backpressure(nats_server):
     lay = small_layout()
     one_push = lay.num_layers * (_layer_bytes(lay, 2) + 512)
-    async with Agent(cfg("p-full", nats_server, staging_wait_s=0.6), layout=lay,
-                     kv_caches=cache(lay, 8, fill=True)) as p, \
-            Agent(cfg("d-full", nats_server, staging_bytes=one_push), layout=lay,
-                  kv_caches=cache(lay, 8, fill=False)) as d:
+    async with agent_pair(nats_server, "p-full", "d-full", lay, 8, p_kw=dict(staging_wait_s=0.6),
+                          d_kw=dict(staging_bytes=one_push)) as (p, d):
         first = await p.push("a", "d-full", [1, 5])
         first.all_ready()
         t = time.monotonic()
@@ -342,10 +344,7 @@ async def test_staged_push_with_promised_contiguous_blocks(nats_server):
     """The sender names contiguous destination blocks before the receiver reserved them:
     both sides must still agree on the framing of a staged push."""
     lay = small_layout(layers=4)
-    async with Agent(cfg("p-promise", nats_server), layout=lay,
-                     kv_caches=cache(lay, 16, fill=True)) as p, \
-            Agent(cfg("d-promise", nats_server), layout=lay,
-                  kv_caches=cache(lay, 16, fill=False)) as d:
+    async with agent_pair(nats_server, "p-promise", "d-promise", lay, 16) as (p, d):
         tx = await p.push("promised", "d-promise", [9, 2, 14], dst_blocks=[4, 5, 6])
         tx.all_ready()
         with anyio.fail_after(10):
