@@ -12,6 +12,7 @@ from kvstream._exceptions import IncompatiblePeerError as IncompatiblePeerError
 from kvstream._exceptions import InvalidBlockError as InvalidBlockError
 from kvstream._exceptions import KVStreamError as KVStreamError
 from kvstream._exceptions import LayoutError as LayoutError
+from kvstream._exceptions import LeaseExpiredError as LeaseExpiredError
 from kvstream._exceptions import MessageDecodeError as MessageDecodeError
 from kvstream._exceptions import NoPeerError as NoPeerError
 from kvstream._exceptions import PeerLostError as PeerLostError
@@ -32,6 +33,8 @@ from kvstream.handles import SendHandle as SendHandle
 from kvstream.layout import KVLayout as KVLayout
 from kvstream.planner import Plan as Plan
 from kvstream.planner import plan_transfer as plan_transfer
+from kvstream.prefix import block_hashes as block_hashes
+from kvstream.pulling import RemoteLease as RemoteLease
 from kvstream.shm import SharedKV as SharedKV
 from kvstream.sidecar.server import Sidecar as Sidecar
 from kvstream.transfer import TransferResult as TransferResult
@@ -55,6 +58,7 @@ __all__ = (
     "KVLayout",
     "KVStreamError",
     "LayoutError",
+    "LeaseExpiredError",
     "MessageDecodeError",
     "NoPeerError",
     "PeerLostError",
@@ -62,6 +66,7 @@ __all__ = (
     "ProtocolError",
     "QuantizationError",
     "ReceiveHandle",
+    "RemoteLease",
     "SendHandle",
     "SharedKV",
     "Sidecar",
@@ -71,5 +76,6 @@ __all__ = (
     "TransferResult",
     "TransferState",
     "TransferTimeout",
+    "block_hashes",
     "plan_transfer",
 )

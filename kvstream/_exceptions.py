@@ -18,7 +18,8 @@ msgspec, torch) are translated at the module that talks to them, with
     ├── TransferError               a transfer ended without completing
     │   ├── TransferAbortedError    aborted by either side
     │   ├── PeerLostError           the peer died (missed heartbeats, UCX error)
-    │   └── TransferTimeout         deadline passed (also a ``TimeoutError``)
+    │   ├── TransferTimeout         deadline passed (also a ``TimeoutError``)
+    │   └── LeaseExpiredError       held blocks released: nobody renewed the lease
     ├── QuantizationError
     └── AdapterError
 """
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidBlockError",
     "KVStreamError",
     "LayoutError",
+    "LeaseExpiredError",
     "MessageDecodeError",
     "NoPeerError",
     "PeerLostError",
@@ -119,6 +121,10 @@ class PeerLostError(TransferError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """The transfer's deadline passed before it completed."""
+
+
+class LeaseExpiredError(TransferError):
+    """The source released blocks held for a pull: the lease was not renewed in time."""
 
 
 class QuantizationError(KVStreamError):

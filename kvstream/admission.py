@@ -17,6 +17,8 @@ from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.memory import is_run
 from kvstream.handles import ReceiveHandle
+from kvstream.prefix import skipped_indices
+from kvstream.pulling import shrink, without
 from kvstream.streams import RecvStream, single_message_for
 from kvstream.transfer import Side, Transfer
 
@@ -55,6 +57,11 @@ class Admission:
         if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
             return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
                           f"in {mem.num_blocks} registered blocks")
+        if len(msg.block_hashes) > len(msg.src_blocks):
+            return reject("malformed", f"{len(msg.block_hashes)} block hashes for "
+                          f"{len(msg.src_blocks)} blocks")
+        skip: list[int] = []
+        accepted: list[int] = []  # the reserved blocks, in manifest order, skipped ones too
         handle = self._reservations.get(msg.request_id)
         staged: dict[int, torch.Tensor] | None = None
         if handle is None:
@@ -82,11 +89,25 @@ class Admission:
             t = handle.transfer
             t.transfer_id, t.peer = msg.transfer_id, msg.src
             t.started_at = time.monotonic()  # the transfer deadline counts from the offer
+            full = handle.blocks
+            assert full is not None  # a reservation always has its blocks
+            accepted = full.ids
+            skip = skipped_indices(msg.block_hashes, handle.have)
+            if skip:
+                handle.blocks = full.without(skip)
+                shrink(t, mem, len(full), len(handle.blocks))
+                self._count("bytes_skipped", t.bytes_skipped)
+                if not handle.blocks:
+                    self._complete_empty(t, handle)
+                    return m.Accept(transfer_id=msg.transfer_id, dst_tag=0,
+                                    dst_address=self.worker_address, dst_blocks=full.ids,
+                                    skip=skip)
         self.registry.contact(msg.src)
         dst_tag = wire.next_xfer_tag()
+        src_kept = without(msg.src_blocks, skip)
         stream = RecvStream(self._env(), handle, peer_address=msg.src_address,
                             src_tag=msg.src_tag, dst_tag=dst_tag,
-                            src_contiguous=is_run(msg.src_blocks), nblocks=len(msg.src_blocks),
+                            src_contiguous=is_run(src_kept), nblocks=len(src_kept),
                             staged_slots=staged)
         if staged is not None:
             self._unclaimed[msg.request_id] = (stream, list(msg.dst_blocks))
@@ -94,5 +115,4 @@ class Admission:
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
                         dst_address=self.worker_address,
                         # A staged push answers [] so both sides derive the same framing.
-                        dst_blocks=handle.blocks.ids if handle.blocks else [])
-
+                        dst_blocks=accepted, skip=skip)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -40,6 +40,7 @@ from kvstream.dataplane.ucx import UcxWorker
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.layout import KVLayout
 from kvstream.liveness import Liveness
+from kvstream.pulling import Pulling, RemoteLease, _hashes, check_skip, shrink, without
 from kvstream.streams import RecvStream, SendStream, StreamEnv
 from kvstream.transfer import Side, Transfer, TransferResult, TransferState
 
@@ -72,6 +73,11 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     peers_alive: int
     staged_transfers: int = 0  # pushes held in staging, waiting for their reservation
     staged_dropped: int = 0  # ... that ended without one
+    held_active: int = 0  # offers held for a pull (source side)
+    leases_active: int = 0  # leases this agent keeps renewing (destination side)
+    expired: int = 0  # offers released because nobody renewed their lease
+    renewals_sent: int = 0
+    bytes_skipped: int = 0  # already at the destination (incremental)
 
 
 _REJECT_ERRORS: dict[str, type[KVStreamError]] = {
@@ -91,7 +97,7 @@ class _Busy(Exception):
     """A destination's "busy" answer, retried with backoff (internal)."""
 
 
-class Agent(Admission, Liveness):
+class Agent(Admission, Pulling, Liveness):
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
 
     def __init__(self, config: AgentConfig, *, layout: KVLayout | None = None,
@@ -115,9 +121,15 @@ class Agent(Admission, Liveness):
         self._reservations: dict[str, ReceiveHandle] = {}
         # Pushes that arrived before their reservation: request id -> (stream, promised blocks).
         self._unclaimed: dict[str, tuple[RecvStream, list[int]]] = {}
+        # Source side of pulls: offers held by request id, then their running streams.
+        self._held: dict[str, SendHandle] = {}
+        self._pulled: dict[str, SendStream] = {}
+        # Destination side: (source, request id) -> a kept lease or the pull running for it.
+        self._wanted: dict[tuple[str, str], RemoteLease | RecvStream] = {}
+        self._peer_lease: dict[str, float] = {}
         self._counters = dict.fromkeys(
-            ("completed", "failed", "aborted", "timed_out", "bytes_sent", "bytes_received",
-             "staged_dropped"), 0)
+            ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
+             "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent"), 0)
         self._seq = 0
         self.nats_url = ""
 
@@ -153,6 +165,7 @@ class Agent(Admission, Liveness):
         await self._bus.flush()
         self._tg.start_soon(self._heartbeat_loop)
         self._tg.start_soon(self._watchdog_loop)
+        self._tg.start_soon(self._lease_loop)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
@@ -162,6 +175,10 @@ class Agent(Admission, Liveness):
         with anyio.CancelScope(shield=True):
             for handle in list(self._reservations.values()):
                 self._end_reservation(handle, TransferState.ABORTED, "agent shutting down")
+            for rid in list(self._held):
+                self._end_held(rid, TransferState.ABORTED, "agent shutting down")
+            for lease in [w for w in self._wanted.values() if isinstance(w, RemoteLease)]:
+                await lease.release("agent shutting down")
             streams = list(self._streams.values())
             for stream in streams:
                 stream.stop(TransferState.ABORTED, "agent shutting down")
@@ -192,6 +209,8 @@ class Agent(Admission, Liveness):
         """
         for handle in list(self._reservations.values()):
             self._end_reservation(handle, TransferState.ABORTED, reason)
+        for rid in list(self._held):
+            self._end_held(rid, TransferState.ABORTED, reason)
         self._unclaimed.clear()
         streams = list(self._streams.values())
         for stream in streams:
@@ -217,10 +236,12 @@ class Agent(Admission, Liveness):
         return self._worker.address
 
     # -- the decode side ---------------------------------------------------------------
-    def expect(self, request_id: str, dst_blocks: Sequence[int]) -> ReceiveHandle:
+    def expect(self, request_id: str, dst_blocks: Sequence[int], *,
+               have: Iterable[int] = ()) -> ReceiveHandle:
         """Reserve ``dst_blocks`` for the KV of ``request_id``; a push may land there now.
 
-        Raises ``InvalidBlockError`` for ids outside registered memory. The
+        ``have``: prefix hashes of blocks already here; a push carrying those hashes skips
+        them. Raises ``InvalidBlockError`` for ids outside registered memory. The
         reservation ends, released, when its transfer ends or after
         ``reservation_timeout_s`` without a manifest.
         """
@@ -238,14 +259,13 @@ class Agent(Admission, Liveness):
             del self._unclaimed[request_id]
             stream.claim(blocks)
             return stream.handle
-        if len(self._reservations) + len(self._streams) >= self.config.max_transfers:
-            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+        self._check_capacity()
         blocks = mem.block_map(dst_blocks, what="destination block")
         transfer = Transfer(transfer_id="", request_id=request_id, side=Side.RECV, peer="",
                             num_layers=mem.layout.num_layers,
                             layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
         handle = ReceiveHandle(transfer, lambda reason: self._abort(transfer, reason),
-                               blocks=blocks)
+                               blocks=blocks, have=frozenset(have))
         self._reservations[request_id] = handle
         return handle
 
@@ -258,13 +278,14 @@ class Agent(Admission, Liveness):
     async def push(
         self, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
         dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
-        timeout: float | None = None,
+        timeout: float | None = None, block_hashes: Sequence[int] | None = None,
     ) -> SendHandle:
         """Offer ``request_id``'s KV to ``dst_instance``; returns once it accepted.
 
         ``mode="pipelined"`` sends layer L as soon as ``handle.layer_ready(L)``;
-        ``"eager"`` waits for every layer. Raises ``NoPeerError`` (nobody answers),
-        ``InvalidBlockError`` (ids outside memory, here or there),
+        ``"eager"`` waits for every layer. With ``block_hashes`` (prefix-chain hashes of
+        the first blocks) the destination skips blocks it already holds. Raises
+        ``NoPeerError`` (nobody answers), ``InvalidBlockError`` (ids outside memory, here or there),
         ``IncompatiblePeerError`` (other layout) before any byte moves.
         """
         mem = self._mem()
@@ -275,8 +296,8 @@ class Agent(Admission, Liveness):
         if dst_blocks is not None and len(dst_blocks) != len(blocks):
             raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"
                                     " blocks", block_ids=list(dst_blocks))
-        if len(self._reservations) + len(self._streams) >= self.config.max_transfers:
-            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+        hashes = _hashes(block_hashes, len(blocks))
+        self._check_capacity()
         transfer = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
                             peer=dst_instance, num_layers=mem.layout.num_layers,
                             layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
@@ -289,7 +310,7 @@ class Agent(Admission, Liveness):
             fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
             src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []), mode=mode,
             payload_bytes=transfer.layer_bytes * transfer.num_layers,
-            deadline_s=timeout or self.config.transfer_timeout_s,
+            deadline_s=timeout or self.config.transfer_timeout_s, block_hashes=hashes,
         )
         try:
             reply = await self._offer(manifest, dst_instance)
@@ -306,9 +327,22 @@ class Agent(Admission, Liveness):
             self._fail_unstarted(transfer, exc)
             raise exc
         self.registry.contact(dst_instance)
+        try:
+            check_skip(reply.skip, len(blocks))
+        except ProtocolError as exc:
+            await self._request_abort(dst_instance, transfer.transfer_id, str(exc))
+            self._fail_unstarted(transfer, exc)
+            raise
+        if reply.skip:
+            handle.blocks = blocks.without(reply.skip)
+            shrink(transfer, mem, len(blocks), len(handle.blocks))
+            self._count("bytes_skipped", transfer.bytes_skipped)
+            if not handle.blocks:
+                self._complete_empty(transfer)
+                return handle
         stream = SendStream(self._env(), handle, peer_address=reply.dst_address,
                             src_tag=src_tag, dst_tag=reply.dst_tag,
-                            dst_contiguous=is_run(reply.dst_blocks))
+                            dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)))
         self._run_stream(transfer.transfer_id, stream)
         return handle
 
@@ -355,6 +389,10 @@ class Agent(Admission, Liveness):
             finally:
                 self._streams.pop(transfer_id, None)
                 t = stream.handle.transfer
+                if self._pulled.get(t.request_id) is stream:
+                    del self._pulled[t.request_id]
+                if self._wanted.get((stream.peer, t.request_id)) is stream:
+                    del self._wanted[(stream.peer, t.request_id)]
                 if self._unclaimed.get(t.request_id, (None,))[0] is stream:
                     del self._unclaimed[t.request_id]
 
@@ -362,6 +400,10 @@ class Agent(Admission, Liveness):
         self._tg.start_soon(run)
 
     async def _abort(self, transfer: Transfer, reason: str) -> None:
+        if self._held.get(transfer.request_id) is not None and \
+                self._held[transfer.request_id].transfer is transfer:
+            self._end_held(transfer.request_id, TransferState.ABORTED, reason)
+            return
         if transfer.request_id in self._reservations and not transfer.transfer_id:
             self._end_reservation(self._reservations[transfer.request_id],
                                   TransferState.ABORTED, reason)
@@ -371,11 +413,12 @@ class Agent(Admission, Liveness):
             stream.stop(TransferState.ABORTED, reason)
             await stream.stopped.wait()
 
-    async def _request_abort(self, peer: str, transfer_id: str, reason: str) -> bool:
+    async def _request_abort(self, peer: str, transfer_id: str, reason: str, *,
+                             request_id: str = "") -> bool:
         try:
             reply = await self._bus_().request(
                 self.subjects.control(peer),
-                m.Abort(transfer_id=transfer_id, request_id="", reason=reason,
+                m.Abort(transfer_id=transfer_id, request_id=request_id, reason=reason,
                         by=self.instance_id),
                 timeout=self.config.request_timeout_s, peer=peer)
         except KVStreamError as exc:
@@ -388,12 +431,17 @@ class Agent(Admission, Liveness):
             await self._bus_().publish(self.subjects.control(peer), m.Done(
                 transfer_id=result.transfer_id, request_id=result.request_id,
                 status=result.status, reason=result.reason, bytes=result.bytes,
-                layers=result.layers))
+                layers=result.layers, bytes_skipped=result.bytes_skipped))
 
     async def _on_abort(self, msg: m.Abort) -> m.ControlMessage:
         stream = self._streams.get(msg.transfer_id)
         if stream is None:
-            # Already over here; nothing of ours is in flight for it.
+            # An offer not pulled yet (the destination gave up its lease), or already over
+            # here: either way nothing of ours is in flight for it.
+            held = self._held.get(msg.request_id)
+            if held is not None and msg.transfer_id in ("", held.transfer_id):
+                self._end_held(msg.request_id, TransferState.ABORTED,
+                               f"aborted by {msg.by}: {msg.reason}")
             return m.AbortAck(transfer_id=msg.transfer_id)
         self.registry.contact(msg.by)
         stream.stop(TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}", by_peer=True)
@@ -413,6 +461,10 @@ class Agent(Admission, Liveness):
                 return await self._on_manifest(msg)
             case m.Abort():
                 return await self._on_abort(msg)
+            case m.Pull():
+                return await self._on_pull(msg)
+            case m.Renew():
+                return await self._on_renew(msg)
             case m.Done():
                 stream = self._streams.get(msg.transfer_id)
                 if isinstance(stream, SendStream):
@@ -431,6 +483,10 @@ class Agent(Admission, Liveness):
         return AgentStatistics(
             instance_id=self.instance_id,
             transfers_active=len(self._streams),
+            held_active=len(self._held),
+            leases_active=sum(isinstance(w, RemoteLease) for w in self._wanted.values()),
+            expired=c["expired"], renewals_sent=c["renewals_sent"],
+            bytes_skipped=c["bytes_skipped"],
             reservations_active=len(self._reservations),
             kv_registered_bytes=self.memory.nbytes if self.memory else 0,
             staging_bytes_in_use=self.staging.in_use,

@@ -39,6 +39,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     staging_bytes: int = 256 * MiB
     # How long a sender keeps retrying a destination that answers "busy" (staging full).
     staging_wait_s: float = 5.0
+    # How long an offer() is held for a pull without a renewal from the puller, which
+    # renews every lease_s / 4 while it still wants the blocks.
+    lease_s: float = 30.0
     # Layers in flight per transfer (each staged layer holds one staging buffer).
     max_inflight_layers: int = 8
     max_transfers: int = 1024
@@ -49,7 +52,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.progress_mode not in PROGRESS_MODES:
             raise ConfigError(f"progress_mode must be one of {PROGRESS_MODES}")
         for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "transfer_timeout_s",
-                     "reservation_timeout_s", "staging_wait_s"):
+                     "reservation_timeout_s", "staging_wait_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.peer_timeout_s < 2 * self.heartbeat_s:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from kvstream._exceptions import (
+    LeaseExpiredError,
     PeerLostError,
     TransferAbortedError,
     TransferError,
@@ -31,6 +32,7 @@ def error_for(result: TransferResult) -> TransferError:
     kind: type[TransferError] = {
         TransferState.ABORTED.value: TransferAbortedError,
         TransferState.TIMED_OUT.value: TransferTimeout,
+        TransferState.EXPIRED.value: LeaseExpiredError,
     }.get(result.status, TransferError)
     if result.status == TransferState.FAILED.value and result.reason.startswith("peer lost"):
         kind = PeerLostError
@@ -98,6 +100,10 @@ class SendHandle(_Handle):
         self._all_ready = anyio.Event()
         self._ready_count = 0
         self.last_ready_at: float | None = None
+        self.block_hashes: list[int] = []  # prefix hashes of ``blocks`` (incremental)
+        # Offered for a pull: held until the lease (renewed by the puller) runs out.
+        self.lease_s = 0.0
+        self.lease_until = 0.0
 
     def layer_ready(self, layer: int) -> None:
         """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""
@@ -126,16 +132,41 @@ class ReceiveHandle(_Handle):
     """Decode side: await layers as they land in the reserved blocks."""
 
     def __init__(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]],
-                 *, blocks: BlockMap | None) -> None:
+                 *, blocks: BlockMap | None, have: frozenset[int] = frozenset(),
+                 lazy: bool = False, lookahead: int = 1) -> None:
         super().__init__(transfer, aborter)
         # None while a push that arrived before the reservation waits in staging.
         self.blocks = blocks
+        self.have = have  # prefix hashes already here: those blocks are not sent
+        self.lazy = lazy
+        self.lookahead = max(0, lookahead)
+        # Layers the engine asked for so far (lazy); the receiver posts no further.
+        self.requested = 0 if lazy else transfer.num_layers
+        self._requested_changed = anyio.Event()
         self._layer_events = [anyio.Event() for _ in range(transfer.num_layers)]
         transfer.on_release(self._wake_all)
 
     def _wake_all(self) -> None:
         for ev in self._layer_events:
             ev.set()
+        self._requested_changed.set()
+
+    def fetch(self, layer: int) -> None:
+        """Lazy mode: fetch layers up to ``layer`` (plus ``lookahead`` more) now.
+
+        Layers arrive in order, so asking for layer L brings every layer before it too.
+        """
+        if not 0 <= layer < self.transfer.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.transfer.num_layers - 1}")
+        want = min(self.transfer.num_layers, layer + 1 + self.lookahead)
+        if want > self.requested:
+            self.requested = want
+            self._requested_changed.set()
+            self._requested_changed = anyio.Event()
+
+    async def until_requested(self, layer: int) -> None:
+        while self.requested <= layer and not self.transfer.terminal:
+            await self._requested_changed.wait()
 
     def mark_layer(self, layer: int) -> None:
         if self.transfer.layer_done(layer):
@@ -145,7 +176,11 @@ class ReceiveHandle(_Handle):
         return self.transfer.layers_done[layer]
 
     async def wait_layer(self, layer: int) -> None:
-        """Return once ``layer`` is in the reserved blocks; raises if the transfer failed first."""
+        """Return once ``layer`` is in the reserved blocks; raises if the transfer failed first.
+
+        On a lazy pull this is also the fetch: the layer is requested now if it was not."""
+        if self.lazy and not self.transfer.layers_done[layer]:
+            self.fetch(layer)
         if not self.transfer.layers_done[layer]:
             await self._layer_events[layer].wait()
         if not self.transfer.layers_done[layer]:

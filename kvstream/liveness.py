@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from kvstream._exceptions import KVStreamError
+from kvstream._exceptions import KVStreamError, PeerLostError
 from kvstream.control import messages as m
 from kvstream.streams import RecvStream
 from kvstream.transfer import TransferState
@@ -54,6 +54,8 @@ class Liveness:
 
     def _fail_peer(self: Agent, peer: str) -> None:
         reason = f"peer lost: {self.registry.why_dead(peer)}"
+        self._lose_wanted(peer, [rid for src, rid in self._wanted if src == peer],
+                          PeerLostError(reason, peer=peer), peer_dead=True)
         for stream in list(self._streams.values()):
             if stream.peer == peer and not (isinstance(stream, RecvStream) and stream.all_received):
                 log.warning("%r: %s", stream.handle.transfer, reason)
@@ -64,6 +66,10 @@ class Liveness:
         while True:
             await anyio.sleep(period)
             now = time.monotonic()
+            self._expire_leases(now)
+            for src in {src for src, _ in self._wanted}:
+                if not self.registry.alive(src):
+                    self._fail_peer(src)
             for stream in list(self._streams.values()):
                 t = stream.handle.transfer
                 received = isinstance(stream, RecvStream) and stream.all_received

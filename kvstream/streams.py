@@ -395,6 +395,9 @@ class RecvStream(_Stream):
                 credited = upto
 
         for layer in range(t.num_layers):
+            if h.requested <= layer:  # lazy: post (and credit) a layer once it is asked for
+                await flush_credit(layer)
+                await h.until_requested(layer)
             try:
                 limiter.acquire_nowait()
             except anyio.WouldBlock:

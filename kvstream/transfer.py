@@ -25,10 +25,12 @@ class TransferState(enum.Enum):
     FAILED = "failed"
     ABORTED = "aborted"
     TIMED_OUT = "timed_out"
+    EXPIRED = "expired"  # held under a lease nobody renewed
 
 
 TERMINAL: Final = frozenset(
-    {TransferState.COMPLETED, TransferState.FAILED, TransferState.ABORTED, TransferState.TIMED_OUT}
+    {TransferState.COMPLETED, TransferState.FAILED, TransferState.ABORTED, TransferState.TIMED_OUT,
+     TransferState.EXPIRED}
 )
 
 
@@ -50,6 +52,7 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     layers: int
     started_at: float
     ended_at: float
+    bytes_skipped: int = 0  # already at the destination (incremental)
 
     @property
     def seconds(self) -> float:
@@ -80,6 +83,7 @@ class Transfer:
         self.ended_at: float | None = None
         self.layers_done = [False] * num_layers
         self.done_count = 0
+        self.bytes_skipped = 0
         self._release: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:
@@ -143,4 +147,5 @@ class Transfer:
             layers=self.done_count,
             started_at=self.started_at,
             ended_at=self.ended_at if self.ended_at is not None else self._clock(),
+            bytes_skipped=self.bytes_skipped,
         )

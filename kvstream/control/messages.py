@@ -7,7 +7,9 @@ Evolution rules (msgspec's schema-evolution guidance):
     ``MIN_PROTOCOL_VERSION`` at the oldest peer still understood.
 
 History:
-  1 - first release: announce/leave, manifest/accept/reject, done, abort/abort-ack.
+  1 - first release: announce/leave, manifest/accept/reject, done, abort/abort-ack;
+      then, compatibly (new tags, new defaulted fields): pull, renew/renew-ack, block
+      hashes and skipped blocks (incremental), the "expired" status.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ __all__ = [
     "Done",
     "Leave",
     "Manifest",
+    "Pull",
     "Reject",
+    "Renew",
+    "RenewAck",
     "decode",
     "encode",
 ]
@@ -41,10 +46,11 @@ MIN_PROTOCOL_VERSION: Final = 1
 
 Role = Literal["prefill", "decode", "both"]
 Mode = Literal["pipelined", "eager"]
-Status = Literal["completed", "failed", "aborted", "timed_out"]
+PullMode = Literal["eager", "lazy"]
+Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]
 RejectCode = Literal[
     "malformed", "incompatible", "invalid_blocks", "no_reservation", "busy", "duplicate",
-    "unknown_transfer",
+    "unknown_transfer", "unknown_request",
 ]
 
 
@@ -74,10 +80,12 @@ class Leave(ControlMessage, tag="kv.leave"):
 
 
 class Manifest(ControlMessage, tag="kv.manifest"):
-    """Push offer from the source: everything the destination needs to accept it.
+    """The source's description of a transfer: a push offer, or the answer to a ``Pull``.
 
-    ``src_blocks[i]`` lands in ``dst_blocks[i]`` in every layer. An empty
-    ``dst_blocks`` means "the blocks you reserved for ``request_id``".
+    ``src_blocks[i]`` lands in ``dst_blocks[i]`` in every layer, except the indices in
+    ``skip`` (blocks the destination already holds). An empty ``dst_blocks`` means
+    "the blocks you reserved for ``request_id``". ``block_hashes[i]`` is block i's
+    prefix-chain hash, when the source knows it (incremental transfers).
     """
 
     transfer_id: str
@@ -94,6 +102,10 @@ class Manifest(ControlMessage, tag="kv.manifest"):
     codec: str = "none"
     payload_bytes: int = 0
     deadline_s: float = 30.0
+    block_hashes: list[int] = []
+    skip: list[int] = []
+    skipped_bytes: int = 0
+    lease_s: float = 0.0
 
 
 class Accept(ControlMessage, tag="kv.accept"):
@@ -103,6 +115,41 @@ class Accept(ControlMessage, tag="kv.accept"):
     dst_tag: int
     dst_address: bytes
     dst_blocks: list[int]
+    # Indices into the manifest's blocks the destination already holds: not sent.
+    skip: list[int] = []
+
+
+class Pull(ControlMessage, tag="kv.pull"):
+    """The destination asks the source for ``request_id``'s KV (held under a lease).
+
+    The answer is a ``Manifest`` (with ``skip`` worked out from ``have``) or a ``Reject``.
+    """
+
+    request_id: str
+    src: str
+    dst: str
+    dst_address: bytes
+    dst_tag: int
+    fingerprint: str
+    num_layers: int
+    dst_blocks: list[int]
+    have: list[int] = []  # prefix hashes the destination already holds
+    mode: PullMode = "eager"
+    deadline_s: float = 30.0
+
+
+class Renew(ControlMessage, tag="kv.renew"):
+    """Keep holding these for me: one message per peer per renewal period, not per block."""
+
+    by: str
+    request_ids: list[str]
+
+
+class RenewAck(ControlMessage, tag="kv.renew_ack"):
+    """``unknown``: ids the source no longer holds (expired, aborted or never offered)."""
+
+    unknown: list[str] = []
+    lease_s: float = 0.0  # the shortest lease among the renewed ones
 
 
 class Reject(ControlMessage, tag="kv.reject"):
@@ -120,6 +167,7 @@ class Done(ControlMessage, tag="kv.done"):
     reason: str = ""
     bytes: int = 0
     layers: int = 0
+    bytes_skipped: int = 0
 
 
 class Abort(ControlMessage, tag="kv.abort"):
@@ -135,7 +183,8 @@ class AbortAck(ControlMessage, tag="kv.abort_ack"):
     transfer_id: str
 
 
-ControlUnion = Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck
+ControlUnion = (Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck | Pull
+                | Renew | RenewAck)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(ControlUnion)

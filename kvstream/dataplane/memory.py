@@ -82,6 +82,13 @@ class BlockMap:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def without(self, skip: Sequence[int]) -> BlockMap:
+        """The same map minus the positions in ``skip`` (blocks the destination holds)."""
+        if not skip:
+            return self
+        drop = set(skip)
+        return BlockMap([b for i, b in enumerate(self.ids) if i not in drop], self.index.device)
+
 
 class RegisteredKV:
     """An engine's KV cache tensors (one per layer), validated once at registration."""

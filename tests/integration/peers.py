@@ -57,3 +57,23 @@ def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
             await anyio.sleep(60)
 
     anyio.run(main)
+
+
+def offering_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
+                  ready_layers: int, q: Any) -> None:
+    """Offer ``blocks`` for a pull, mark only ``ready_layers`` layers ready, then hang."""
+    from kvstream.agent import Agent
+    from tests.fakes import cache
+
+    layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
+
+    async def main() -> None:
+        async with Agent(_cfg("peer-offer", nats_url), layout=layout,
+                         kv_caches=cache(layout, 32, fill=True)) as agent:
+            handle = agent.offer(request_id, blocks)
+            for layer in range(ready_layers):
+                handle.layer_ready(layer)
+            q.put("offered")
+            await anyio.sleep(60)
+
+    anyio.run(main)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import time
 
@@ -28,37 +27,10 @@ from kvstream.bench.synthetic import BenchSpec
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from tests.fakes import cache, small_layout
+from tests.integration.agents import agent_pair, assert_at_rest, cfg, settle
 from tests.integration.peers import decode_peer, prefill_peer
 
 pytestmark = pytest.mark.anyio
-
-
-def cfg(instance_id: str, nats_server, **kw) -> AgentConfig:
-    return AgentConfig(instance_id=instance_id, nats_url=nats_server.url, heartbeat_s=0.25,
-                       peer_timeout_s=1.0, request_timeout_s=1.0, **kw)
-
-
-@contextlib.asynccontextmanager
-async def agent_pair(nats_server, p_id: str, d_id: str, lay, nblocks: int, *,
-                     p_kw: dict | None = None, d_kw: dict | None = None):
-    """A prefill agent with filled KV and a decode agent with zeroed KV, same layout."""
-    async with Agent(cfg(p_id, nats_server, **(p_kw or {})), layout=lay,
-                     kv_caches=cache(lay, nblocks, fill=True)) as p, \
-            Agent(cfg(d_id, nats_server, **(d_kw or {})), layout=lay,
-                  kv_caches=cache(lay, nblocks, fill=False)) as d:
-        yield p, d
-
-
-def assert_at_rest(*agents: Agent) -> None:
-    for a in agents:
-        s = a.statistics()
-        assert (s.transfers_active, s.reservations_active, s.staging_bytes_in_use) == (0, 0, 0), s
-
-
-async def settle(*agents: Agent, timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while any(a.statistics().transfers_active for a in agents):
-            await anyio.sleep(0.02)
 
 
 # -- bit-exact between two processes (the benchmark's own harness) --------------------------

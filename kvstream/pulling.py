@@ -1,0 +1,414 @@
+"""Pull transfers and the leases behind them.
+
+A mixin of ``Agent``, one job: the source ``offer()``s a request's blocks and holds them
+under a lease; the destination ``keep()``s that lease alive (one ``Renew`` per source per
+quarter lease, whatever the number of requests or blocks) and ``pull()``s when it is
+ready, eagerly or layer by layer. An offer nobody renews expires and is released; a
+source that vanishes fails the destination's leases and pulls at the next renewal.
+
+The data moves exactly as in a push (the same two streams, receiver-driven credits);
+only who sends the manifest differs: in a pull the source answers the ``Pull`` with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream._exceptions import (
+    ConfigError,
+    IncompatiblePeerError,
+    InvalidBlockError,
+    KVStreamError,
+    LeaseExpiredError,
+    NoPeerError,
+    PeerLostError,
+    ProtocolError,
+    TransferError,
+)
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.memory import is_run
+from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.prefix import skipped_indices
+from kvstream.streams import RecvStream, SendStream
+from kvstream.transfer import Side, Transfer, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.agent import Agent
+    from kvstream.dataplane.memory import RegisteredKV
+
+__all__ = ["Pulling", "RemoteLease", "check_skip", "without"]
+
+log = logging.getLogger("kvstream.agent")
+
+PULL_MODES = ("eager", "lazy")
+
+
+def without(ids: Sequence[int], skip: Sequence[int]) -> list[int]:
+    drop = set(skip)
+    return [b for i, b in enumerate(ids) if i not in drop]
+
+
+def check_skip(skip: Sequence[int], nblocks: int) -> None:
+    """A peer's skip list must name distinct positions of this transfer's blocks."""
+    if len(set(skip)) != len(skip) or any(not 0 <= i < nblocks for i in skip):
+        raise ProtocolError(f"skip list {list(skip)[:8]} does not index {nblocks} blocks")
+
+
+def shrink(t: Transfer, mem: RegisteredKV, total: int, kept: int) -> None:
+    """Account a transfer for only the blocks that move; the rest counts as skipped."""
+    t.layer_bytes = mem.planes * mem.plane_bytes(kept)
+    t.bytes_skipped = mem.planes * mem.plane_bytes(total - kept) * t.num_layers
+
+
+class RemoteLease:
+    """Destination side: a source holds a request's blocks for us while this is active.
+
+    The agent renews it with the source until ``release()`` or until a ``pull()`` of the
+    same request takes it over; ``lost()`` returns the error once the source lets go
+    (expired, aborted, died).
+    """
+
+    def __init__(self, agent: Agent, src: str, request_id: str) -> None:
+        self._agent = agent
+        self.src = src
+        self.request_id = request_id
+        self.error: KVStreamError | None = None
+        self.released = False
+        self._lost = anyio.Event()
+
+    @property
+    def active(self) -> bool:
+        return self.error is None and not self.released
+
+    def _lose(self, error: KVStreamError) -> None:
+        if self.error is None:
+            self.error = error
+            self._lost.set()
+
+    async def lost(self) -> KVStreamError:
+        """Wait until the source no longer holds the blocks; returns why."""
+        await self._lost.wait()
+        assert self.error is not None
+        return self.error
+
+    async def release(self, reason: str = "the destination no longer wants it") -> None:
+        """Stop renewing and tell the source it may free the blocks now."""
+        if self.released:
+            return
+        self.released = True
+        agent = self._agent
+        if agent._wanted.get((self.src, self.request_id)) is self:
+            del agent._wanted[(self.src, self.request_id)]
+            if self.error is None:
+                await agent._request_abort(self.src, "", reason, request_id=self.request_id)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else ("released" if self.released else "lost")
+        return f"<RemoteLease {self.request_id} at {self.src} {state}>"
+
+
+class Pulling:
+    # -- the source side ---------------------------------------------------------------
+    def offer(self: Agent, request_id: str, src_blocks: Sequence[int], *,
+              block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+              lease_s: float | None = None) -> SendHandle:
+        """Hold ``request_id``'s blocks for a destination to ``pull()``.
+
+        Mark layers ready on the handle as they are computed (a pull may start before the
+        last one; ``mode="eager"`` makes it wait for all). The blocks stay held until the
+        pull completes, either side aborts, or ``lease_s`` passes without a renewal; the
+        handle's result says which, and then the engine may reuse them.
+        """
+        mem = self._mem()
+        if mode not in ("pipelined", "eager"):
+            raise ConfigError(f"mode must be 'pipelined' or 'eager', got {mode!r}")
+        blocks = mem.block_map(src_blocks, what="source block")
+        hashes = _hashes(block_hashes, len(blocks))
+        lease = self.config.lease_s if lease_s is None else lease_s
+        if lease <= 0:
+            raise ConfigError("lease_s must be positive")
+        if request_id in self._held or request_id in self._pulled:
+            raise ConfigError(f"request {request_id!r} is already offered")
+        self._check_capacity()
+        t = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
+                     peer="", num_layers=mem.layout.num_layers,
+                     layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+        handle = SendHandle(t, lambda reason: self._abort(t, reason), eager=mode == "eager",
+                            blocks=blocks)
+        handle.block_hashes = hashes
+        handle.lease_s = lease
+        handle.lease_until = time.monotonic() + lease
+        self._held[request_id] = handle
+        return handle
+
+    async def _on_pull(self: Agent, msg: m.Pull) -> m.ControlMessage:
+        def reject(code: m.RejectCode, reason: str) -> m.Reject:
+            log.warning("refused pull of %s by %s: %s", msg.request_id, msg.dst, reason)
+            return m.Reject(transfer_id="", code=code, reason=reason)
+
+        mem = self.memory
+        if mem is None:
+            return reject("unknown_request", f"{self.instance_id} has no registered KV memory")
+        if msg.fingerprint != mem.layout.fingerprint or msg.num_layers != mem.layout.num_layers:
+            return reject("incompatible", f"layout fingerprint {msg.fingerprint} != "
+                          f"{mem.layout.fingerprint} ({mem.layout.describe()})")
+        try:
+            Subjects.check_instance_id(msg.dst)
+        except ConfigError as exc:
+            return reject("malformed", str(exc))
+        handle = self._held.get(msg.request_id)
+        if handle is None:
+            return reject("unknown_request", f"{self.instance_id} holds no KV for "
+                          f"{msg.request_id!r} (never offered, expired, aborted or pulled)")
+        full = handle.blocks
+        if len(msg.dst_blocks) != len(full):
+            return reject("invalid_blocks", f"{len(msg.dst_blocks)} destination blocks for the "
+                          f"{len(full)} blocks offered for {msg.request_id!r}")
+        skip = skipped_indices(handle.block_hashes, msg.have)
+        del self._held[msg.request_id]
+        t = handle.transfer
+        t.peer = msg.dst
+        t.started_at = time.monotonic()  # the transfer deadline counts from the pull
+        handle.blocks = full.without(skip)
+        shrink(t, mem, len(full), len(handle.blocks))
+        self._count("bytes_skipped", t.bytes_skipped)
+        src_tag = wire.next_xfer_tag()
+        manifest = m.Manifest(
+            transfer_id=t.transfer_id, request_id=t.request_id, src=self.instance_id,
+            dst=msg.dst, src_address=self.worker_address, src_tag=src_tag,
+            fingerprint=mem.layout.fingerprint, num_layers=t.num_layers, src_blocks=full.ids,
+            dst_blocks=list(msg.dst_blocks), mode="eager" if handle.eager else "pipelined",
+            payload_bytes=t.layer_bytes * t.num_layers, deadline_s=msg.deadline_s,
+            block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
+            lease_s=handle.lease_s)
+        self.registry.contact(msg.dst)
+        if not handle.blocks:
+            self._complete_empty(t)
+            return manifest
+        handle.lease_until = time.monotonic() + handle.lease_s
+        stream = SendStream(self._env(), handle, peer_address=msg.dst_address, src_tag=src_tag,
+                            dst_tag=msg.dst_tag,
+                            dst_contiguous=is_run(without(msg.dst_blocks, skip)))
+        self._pulled[t.request_id] = stream
+        self._run_stream(t.transfer_id, stream)
+        return manifest
+
+    async def _on_renew(self: Agent, msg: m.Renew) -> m.ControlMessage:
+        now = time.monotonic()
+        unknown: list[str] = []
+        leases: list[float] = []
+        for rid in msg.request_ids:
+            handle = self._held.get(rid)
+            if handle is None and rid in self._pulled:
+                handle = self._pulled[rid].handle
+            if handle is None:
+                unknown.append(rid)
+                continue
+            handle.lease_until = now + handle.lease_s
+            leases.append(handle.lease_s)
+        self.registry.contact(msg.by)
+        return m.RenewAck(unknown=unknown, lease_s=min(leases, default=self.config.lease_s))
+
+    def _expire_leases(self: Agent, now: float) -> None:
+        """Release what nobody renewed (the watchdog calls this)."""
+        for rid, handle in list(self._held.items()):
+            if now > handle.lease_until:
+                del self._held[rid]
+                if handle.transfer.finish(TransferState.EXPIRED, f"lease of {handle.lease_s}s "
+                                          "expired: nobody pulled or renewed it"):
+                    self._count("expired", 1)
+        for stream in list(self._pulled.values()):
+            if now > stream.handle.lease_until:
+                stream.stop(TransferState.EXPIRED,
+                            f"lease of {stream.handle.lease_s}s expired mid-pull")
+
+    def _end_held(self: Agent, request_id: str, state: TransferState, reason: str) -> bool:
+        handle = self._held.pop(request_id, None)
+        if handle is None:
+            return False
+        if handle.transfer.finish(state, reason):
+            self._count(state.value, 1)
+        return True
+
+    # -- the destination side ----------------------------------------------------------
+    async def keep(self: Agent, request_id: str, src_instance: str) -> RemoteLease:
+        """Ask ``src_instance`` to keep holding ``request_id``'s blocks until we pull.
+
+        Raises ``LeaseExpiredError`` if it no longer holds them and ``NoPeerError`` if
+        nobody answers. The agent renews the lease until ``release()`` or a ``pull()``.
+        """
+        Subjects.check_instance_id(src_instance)
+        key = (src_instance, request_id)
+        if key in self._wanted:
+            raise ConfigError(f"{request_id!r} at {src_instance} is already kept or pulled")
+        lease = RemoteLease(self, src_instance, request_id)
+        self._wanted[key] = lease
+        try:
+            reply = await self._bus_().request(
+                self.subjects.control(src_instance),
+                m.Renew(by=self.instance_id, request_ids=[request_id]),
+                timeout=self.config.request_timeout_s, peer=src_instance)
+            self._count("renewals_sent", 1)
+            if not isinstance(reply, m.RenewAck):
+                raise ProtocolError(f"unexpected answer to a renewal: {type(reply).__name__}")
+            if request_id in reply.unknown:
+                raise LeaseExpiredError(f"{src_instance} holds no KV for {request_id!r}",
+                                        request_id=request_id, peer=src_instance)
+        except BaseException:
+            if self._wanted.get(key) is lease:
+                del self._wanted[key]
+            raise
+        self._peer_lease[src_instance] = reply.lease_s or self.config.lease_s
+        self.registry.contact(src_instance)
+        return lease
+
+    async def pull(self: Agent, request_id: str, src_instance: str, dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
+                   timeout: float | None = None) -> ReceiveHandle:
+        """Fetch ``request_id``'s KV offered at ``src_instance`` into ``dst_blocks``.
+
+        ``mode="eager"`` fetches every layer now; ``"lazy"`` fetches a layer when the engine
+        waits for it (``wait_layer`` / ``fetch``), ``lookahead`` layers ahead. ``have``
+        holds prefix hashes already here: those blocks are not sent. Returns once the
+        source answered; raises ``TransferError`` if it holds nothing for the request.
+        """
+        mem = self._mem()
+        if mode not in PULL_MODES:
+            raise ConfigError(f"mode must be one of {PULL_MODES}, got {mode!r}")
+        Subjects.check_instance_id(src_instance)
+        blocks = mem.block_map(dst_blocks, what="destination block")
+        key = (src_instance, request_id)
+        kept_lease = self._wanted.get(key)
+        if kept_lease is not None and not isinstance(kept_lease, RemoteLease):
+            raise ConfigError(f"{request_id!r} at {src_instance} is already being pulled")
+        self._check_capacity()
+        dst_tag = wire.next_xfer_tag()
+        deadline = timeout or self.config.transfer_timeout_s
+        reply = await self._bus_().request(
+            self.subjects.control(src_instance),
+            m.Pull(request_id=request_id, src=src_instance, dst=self.instance_id,
+                   dst_address=self.worker_address, dst_tag=dst_tag,
+                   fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+                   dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
+                   deadline_s=deadline),
+            timeout=self.config.request_timeout_s, peer=src_instance)
+        if isinstance(reply, m.Reject):
+            kind = {"incompatible": IncompatiblePeerError, "invalid_blocks": InvalidBlockError,
+                    "malformed": ProtocolError}.get(reply.code, TransferError)
+            raise kind(f"{src_instance} refused the pull of {request_id!r}: {reply.reason}")
+        try:
+            if not isinstance(reply, m.Manifest) or reply.request_id != request_id \
+                    or not reply.transfer_id or len(reply.src_blocks) != len(blocks):
+                raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
+            check_skip(reply.skip, len(blocks))
+        except ProtocolError:
+            if isinstance(reply, m.Manifest) and reply.transfer_id:
+                await self._request_abort(src_instance, reply.transfer_id, "bad pull answer")
+            raise
+        if isinstance(kept_lease, RemoteLease) and self._wanted.get(key) is kept_lease:
+            del self._wanted[key]  # the pull takes the lease over
+        self._peer_lease[src_instance] = reply.lease_s or self.config.lease_s
+        self.registry.contact(src_instance)
+        kept = blocks.without(reply.skip)
+        t = Transfer(transfer_id=reply.transfer_id, request_id=request_id, side=Side.RECV,
+                     peer=src_instance, num_layers=mem.layout.num_layers, layer_bytes=0)
+        shrink(t, mem, len(blocks), len(kept))
+        self._count("bytes_skipped", t.bytes_skipped)
+        handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=kept,
+                               lazy=mode == "lazy", lookahead=lookahead)
+        if not kept:
+            self._complete_empty(t, handle)
+            return handle
+        stream = RecvStream(self._env(), handle, peer_address=reply.src_address,
+                            src_tag=reply.src_tag, dst_tag=dst_tag,
+                            src_contiguous=is_run(without(reply.src_blocks, reply.skip)),
+                            nblocks=len(kept))
+        self._wanted[key] = stream
+        self._run_stream(t.transfer_id, stream)
+        return handle
+
+    async def _lease_loop(self: Agent) -> None:
+        """Renew every lease we still want: one message per source per quarter lease."""
+        last: dict[str, float] = {}
+        busy: set[str] = set()
+
+        async def renew(src: str, rids: list[str]) -> None:
+            try:
+                await self._renew(src, rids)
+            finally:
+                busy.discard(src)
+
+        while True:
+            await anyio.sleep(min(self.config.heartbeat_s, 0.25))
+            now = time.monotonic()
+            by_src: dict[str, list[str]] = {}
+            for src, rid in self._wanted:
+                by_src.setdefault(src, []).append(rid)
+            for src, rids in by_src.items():
+                period = self._peer_lease.get(src, self.config.lease_s) / 4
+                if src not in busy and now - last.get(src, 0.0) >= period:
+                    last[src] = now
+                    busy.add(src)
+                    assert self._tg is not None
+                    self._tg.start_soon(renew, src, rids)
+
+    async def _renew(self: Agent, src: str, rids: list[str]) -> None:
+        try:
+            reply = await self._bus_().request(
+                self.subjects.control(src), m.Renew(by=self.instance_id, request_ids=rids),
+                timeout=self.config.request_timeout_s, peer=src)
+        except NoPeerError as exc:
+            self._lose_wanted(src, rids, PeerLostError(f"peer lost: {exc}", peer=src),
+                              peer_dead=True)
+            return
+        except KVStreamError as exc:  # slow, not gone: heartbeats decide that
+            log.info("renewal with %s: %s", src, exc)
+            return
+        self._count("renewals_sent", 1)
+        if isinstance(reply, m.RenewAck):
+            self._peer_lease[src] = reply.lease_s or self.config.lease_s
+            self.registry.contact(src)
+            if reply.unknown:
+                self._lose_wanted(src, reply.unknown, LeaseExpiredError(
+                    f"{src} no longer holds the KV (expired or aborted there)", peer=src))
+
+    def _lose_wanted(self: Agent, src: str, rids: Iterable[str], error: KVStreamError, *,
+                     peer_dead: bool = False) -> None:
+        for rid in rids:
+            item = self._wanted.get((src, rid))
+            if isinstance(item, RemoteLease):
+                del self._wanted[(src, rid)]
+                item._lose(error)
+            elif isinstance(item, RecvStream) and not item.all_received:
+                item.stop(TransferState.FAILED, str(error), peer_dead=peer_dead)
+
+    # -- shared ------------------------------------------------------------------------
+    def _check_capacity(self: Agent) -> None:
+        active = len(self._reservations) + len(self._streams) + len(self._held)
+        if active >= self.config.max_transfers:
+            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+
+    def _complete_empty(self: Agent, t: Transfer, handle: ReceiveHandle | None = None) -> None:
+        """Every block was already at the destination: done without moving a byte."""
+        for layer in range(t.num_layers):
+            if handle is not None:
+                handle.mark_layer(layer)
+            else:
+                t.layer_done(layer)
+        if t.finish(TransferState.COMPLETED, "every block already at the destination"):
+            self._count("completed", 1)
+
+
+def _hashes(block_hashes: Sequence[int] | None, nblocks: int) -> list[int]:
+    hashes = list(block_hashes or [])  # the first blocks' (a partial last block has none)
+    if len(hashes) > nblocks:
+        raise InvalidBlockError(f"{len(hashes)} block hashes for {nblocks} blocks")
+    return hashes
