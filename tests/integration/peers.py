@@ -77,3 +77,38 @@ def offering_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: li
             await anyio.sleep(60)
 
     anyio.run(main)
+
+
+def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q: Any) -> None:
+    """Push to ``dst`` and offer for pulls, requests k0, k1, ... at random, until killed."""
+    import random
+
+    from kvstream import KVStreamError
+    from kvstream.agent import Agent
+    from tests.fakes import cache
+
+    layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        cfg = _cfg("peer-random", nats_url)
+        cfg = msgspec.structs.replace(cfg, lease_s=1.0, staging_wait_s=0.2)
+        async with Agent(cfg, layout=layout, kv_caches=cache(layout, 64, fill=True)) as agent:
+            q.put("up")
+            handles = []
+            for n in range(100_000):
+                blocks = rng.sample(range(64), 2)
+                try:
+                    if rng.random() < 0.5:
+                        handles.append(await agent.push(f"k{n}", dst, blocks))
+                    else:
+                        handles.append(agent.offer(f"k{n}", blocks))
+                except KVStreamError:
+                    pass
+                for h in rng.sample(handles, min(3, len(handles))):
+                    if not h.done:
+                        h.layer_ready(rng.randrange(layout.num_layers))
+                handles = [h for h in handles if not h.done]
+                await anyio.sleep(0.01)
+
+    anyio.run(main)

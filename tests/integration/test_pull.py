@@ -210,3 +210,38 @@ async def test_prefill_dies_mid_pull_fails_fast(nats_server):
     finally:
         proc.kill()
         proc.join(5)
+
+
+@pytest.mark.parametrize("how", ["push", "pull"])
+async def test_destination_abort_mid_transfer_no_write_after_the_ack(nats_server, how):
+    """Once the destination's abort returns (the source acknowledged it), no byte of this
+    transfer lands in its memory, however the source carries on."""
+    lay = small_layout(layers=16)
+    async with agent_pair(nats_server, f"p-nw-{how}", f"d-nw-{how}", lay, 32) as (p, d):
+        src, dst = [4, 17, 9, 30], [2, 11, 25, 6]
+        if how == "push":
+            rx = d.expect("r", dst)
+            tx = await p.push("r", f"d-nw-{how}", src)
+        else:
+            tx = p.offer("r", src)
+            rx = await d.pull("r", f"p-nw-{how}", dst)
+
+        async def compute() -> None:
+            for layer in range(lay.num_layers):
+                tx.layer_ready(layer)
+                await anyio.sleep(0.005)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(compute)
+            with anyio.fail_after(10):
+                await rx.wait_layer(2)
+                await rx.abort("decode gave up")
+            snapshot = [t.clone() for t in d.memory.layers]
+        await anyio.sleep(0.3)
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, d.memory.layers, strict=True))
+        with anyio.fail_after(5):
+            assert (await tx.result()).status == "aborted"
+        sent = p.statistics().bytes_sent
+        assert sent < lay.num_layers * lay.block_bytes * 4  # the source stopped sending
+        await settle(p, d)
+        assert_at_rest(p, d)
