@@ -168,7 +168,7 @@ def nats(port: int) -> None:
 
 
 def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int,
-                dtype: str, tokens: int, contiguous: bool) -> Any:
+                dtype: str, tokens: int, contiguous: bool, prefix_hit: float = 0.0) -> Any:
     from kvstream.bench.synthetic import BenchSpec
     from kvstream.layout import KVLayout
 
@@ -179,7 +179,8 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
                           block_size=block_size, dtype=dtype)
     if tokens <= 0:
         raise ConfigError("--tokens must be positive")
-    return BenchSpec(layout=layout, tokens=tokens, scattered=not contiguous)
+    return BenchSpec(layout=layout, tokens=tokens, scattered=not contiguous,
+                     prefix_hit=prefix_hit)
 
 
 @app.command()
@@ -198,20 +199,27 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
 @click.option("--contiguous", is_flag=True, help="block ids in one run instead of scattered")
 @click.option("--sidecar", is_flag=True,
               help="also run with the agents in sidecar processes (engines in two more)")
+@click.option("--mode", "modes", multiple=True,
+              type=click.Choice(["push-pipelined", "push-eager", "pull-eager", "pull-lazy"]),
+              help="transfer mode(s) to measure, each reported apart (repeatable)")
+@click.option("--prefix-hit", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="share of the prompt's blocks already at the destination (incremental)")
 @click.option("--nats-url", help="NATS URL (default: an embedded server)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench(
     model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
     tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool, sidecar: bool,
-    nats_url: str | None, as_json: bool,
+    modes: tuple[str, ...], prefix_hit: float, nats_url: str | None, as_json: bool,
 ) -> None:
     """Stream a synthetic KV cache between two processes; compare with raw ucxx."""
     from kvstream.bench.runner import run_bench
 
-    spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous)
+    spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous,
+                       prefix_hit)
     say = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     result = run_bench(spec, repeat=repeat, layer_compute_ms=layer_compute_ms,
-                       nats_url=nats_url, sidecar=sidecar, progress=say)
+                       nats_url=nats_url, sidecar=sidecar, modes=list(modes) or None,
+                       progress=say)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(result)))
         return

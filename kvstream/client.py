@@ -88,10 +88,23 @@ class _RemoteHandle(Waitable):
 class RemoteReceive(_RemoteHandle):
     """Decode side, sidecar flavour; ``layer_landed`` is a local check (no round trip)."""
 
-    def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str):
+    def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str,
+                 *, lazy: bool = False, lookahead: int = 1):
         super().__init__(client, hid, num_layers, request_id)
         self.landed = [False] * num_layers
         self._events = [anyio.Event() for _ in range(num_layers)]
+        self.lazy = lazy
+        self.lookahead = max(0, lookahead)
+        self._requested = 0
+
+    def fetch(self, layer: int) -> None:
+        """Lazy pull: fetch layers up to ``layer`` (plus the lookahead) now; no round trip."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        want = min(self.num_layers, layer + 1 + self.lookahead)
+        if want > self._requested:
+            self._requested = want
+            self._client.post(lp.Fetch(handle=self.hid, layer=layer))
 
     def _mark(self, layer: int) -> None:
         if 0 <= layer < self.num_layers and not self.landed[layer]:
@@ -107,6 +120,8 @@ class RemoteReceive(_RemoteHandle):
         return self.landed[layer]
 
     async def wait_layer(self, layer: int) -> None:
+        if self.lazy and not self.done:  # even when it landed already: the lookahead moves on
+            self.fetch(layer)
         if self.landed[layer]:
             return
         await self._events[layer].wait()
@@ -157,12 +172,26 @@ class _LocalClient:
         tensors = layers.layers if isinstance(layers, SharedKV) else layers
         self.agent.register_kv(layout, tensors)
 
-    async def expect(self, request_id: str, blocks: Sequence[int]) -> Any:
-        return self.agent.expect(request_id, blocks)
+    async def expect(self, request_id: str, blocks: Sequence[int], *,
+                     have: Sequence[int] = ()) -> Any:
+        return self.agent.expect(request_id, blocks, have=have)
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
-                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined") -> Any:
-        return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks, mode=mode)
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+                   block_hashes: Sequence[int] | None = None) -> Any:
+        return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks,
+                                     mode=mode, block_hashes=block_hashes)
+
+    async def offer(self, request_id: str, src_blocks: Sequence[int], *,
+                    block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+                    lease_s: float | None = None) -> Any:
+        return self.agent.offer(request_id, src_blocks, block_hashes=block_hashes, mode=mode,
+                                lease_s=lease_s)
+
+    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
+                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1) -> Any:
+        return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
+                                     lookahead=lookahead)
 
     async def statistics(self) -> dict[str, int]:
         s = self.agent.statistics()
@@ -337,19 +366,40 @@ class _SidecarClient:
         finally:
             layers.unlink()
 
-    async def expect(self, request_id: str, blocks: Sequence[int]) -> RemoteReceive:
+    async def expect(self, request_id: str, blocks: Sequence[int], *,
+                     have: Sequence[int] = ()) -> RemoteReceive:
         return await self.request(  # type: ignore[no-any-return]
-            lp.Expect(request_id=request_id, blocks=list(blocks)),
+            lp.Expect(request_id=request_id, blocks=list(blocks), have=list(have)),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id))
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
-                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined"
-                   ) -> RemoteSend:
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+                   block_hashes: Sequence[int] | None = None) -> RemoteSend:
         return await self.request(  # type: ignore[no-any-return]
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
-                    mode=mode),  # type: ignore[arg-type]
+                    mode=mode, block_hashes=list(block_hashes or [])),  # type: ignore[arg-type]
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
+
+    async def offer(self, request_id: str, src_blocks: Sequence[int], *,
+                    block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+                    lease_s: float | None = None) -> RemoteSend:
+        """Hold blocks for a destination's ``pull`` (see ``Agent.offer``)."""
+        return await self.request(  # type: ignore[no-any-return]
+            lp.Offer(request_id=request_id, src_blocks=list(src_blocks),
+                     block_hashes=list(block_hashes or []), mode=mode,  # type: ignore[arg-type]
+                     lease_s=lease_s),
+            lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
+
+    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
+                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1
+                   ) -> RemoteReceive:
+        """Fetch an offered request's KV (see ``Agent.pull``)."""
+        return await self.request(  # type: ignore[no-any-return]
+            lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
+                    mode=mode, have=list(have), lookahead=lookahead),  # type: ignore[arg-type]
+            lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
+                                     lazy=mode == "lazy", lookahead=lookahead))
 
     async def statistics(self) -> dict[str, int]:
         reply = await self.request(lp.Stats())

@@ -179,8 +179,12 @@ class ReceiveHandle(_Handle):
         """Return once ``layer`` is in the reserved blocks; raises if the transfer failed first.
 
         On a lazy pull this is also the fetch: the layer is requested now if it was not."""
-        if self.lazy and not self.transfer.layers_done[layer]:
+        if self.lazy:  # even when it landed already: the lookahead moves on
             self.fetch(layer)
+        await self.wait_landed(layer)
+
+    async def wait_landed(self, layer: int) -> None:
+        """``wait_layer`` without fetching (an observer must not make a lazy pull eager)."""
         if not self.transfer.layers_done[layer]:
             await self._layer_events[layer].wait()
         if not self.transfer.layers_done[layer]:

@@ -9,6 +9,8 @@ get a hash; a partial last block is always sent.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 
 __all__ = ["block_hashes", "skipped_indices"]
@@ -25,12 +27,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, parent: int = 0,
     """
     if block_size < 1:
         raise ValueError("block_size must be positive")
+    tokens = array("i", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()  # hash little-endian everywhere: hashes cross machines
+    data = memoryview(tokens).cast("B")
+    step = block_size * tokens.itemsize
     out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for start in range(0, len(tokens) - block_size + 1, block_size):
         h = hashlib.blake2b(digest_size=8, key=extra[:64])
         h.update(parent.to_bytes(8, "little"))
-        h.update(b"".join(int(t).to_bytes(4, "little", signed=True)
-                          for t in token_ids[start:start + block_size]))
+        h.update(data[start * tokens.itemsize:start * tokens.itemsize + step])
         parent = int.from_bytes(h.digest(), "little") & _MASK
         out.append(parent)
     return out

@@ -41,7 +41,19 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
         t.add_row(f"exposed ms, pipelined ({r.layer_compute_ms} ms/layer)",
                   f"{r.exposed_ms_pipelined:.2f}", "after the last layer's compute")
         t.add_row("exposed ms, eager", f"{r.exposed_ms_eager:.2f}", "")
+    if r.prefix_hit:
+        t.add_row(f"prefix hit {r.prefix_hit:.0%}: wire MiB per transfer",
+                  f"{r.wire_bytes / 2**20:.0f}", f"of {r.payload_bytes / 2**20:.0f} MiB; "
+                  f"whole cache at {r.effective_gbps:.2f} GB/s effective")
     console.print(t)
+    if r.modes:
+        mt = Table(title="transfer modes", show_header=True)
+        for col in ("mode", "GB/s", f"exposed ms ({r.layer_compute_ms} ms/layer)", "verified"):
+            mt.add_column(col)
+        for name, mr in r.modes.items():
+            mt.add_row(name, f"{mr.gbps:.2f}",
+                       "-" if mr.exposed_ms is None else f"{mr.exposed_ms:.2f}", str(mr.verified))
+        console.print(mt)
     console.print(r.layout)
 
 

@@ -24,7 +24,10 @@ from kvstream.bench.synthetic import BenchSpec, pick_blocks
 from kvstream.bench.workers import Cmd, Event, decode_main, prefill_main, sidecar_main
 from kvstream.control.nats_server import EmbeddedNats
 
-__all__ = ["BenchResult", "Harness", "KVRun", "memcpy_gbps", "run_bench"]
+__all__ = ["MODES", "BenchResult", "Harness", "KVRun", "ModeResult", "memcpy_gbps", "run_bench"]
+
+# Who starts the transfer and when (DESIGN.md's axes); incremental is --prefix-hit.
+MODES = ("push-pipelined", "push-eager", "pull-eager", "pull-lazy")
 
 
 class KVRun(msgspec.Struct, kw_only=True):
@@ -37,6 +40,17 @@ class KVRun(msgspec.Struct, kw_only=True):
     reason: str = ""
     layer_ready_us: list[float] = []
     wait_layer_us: list[float] = []
+    wire_bytes: int = 0
+
+
+class ModeResult(msgspec.Struct, kw_only=True):
+    """One transfer mode in this run: best GB/s (no compute) and median exposed time."""
+
+    gbps: float
+    exposed_ms: float | None
+    verified: bool
+    wire_bytes: int  # per transfer, as the destination counted them
+    runs_gbps: list[float]
 
 
 class BenchResult(msgspec.Struct, kw_only=True):
@@ -68,6 +82,13 @@ class BenchResult(msgspec.Struct, kw_only=True):
     wait_layer_us_p50: float | None = None
     wait_layer_us_p99: float | None = None
     final_stats: dict[str, dict[str, int]] = {}
+    # --mode: one entry per mode measured (kvstream_gbps is the first mode's).
+    modes: dict[str, ModeResult] = {}
+    # --prefix-hit: the share of blocks already at the destination; wire_bytes per
+    # transfer then covers the rest only, while verified covers the whole cache.
+    prefix_hit: float = 0.0
+    wire_bytes: int = 0
+    effective_gbps: float | None = None  # whole-cache bytes over the transfer time
 
 
 class Harness:
@@ -185,26 +206,49 @@ class Harness:
             if on_event is not None:
                 on_event(evt)
 
-    def run_kv(self, *, mode: str = "pipelined", compute_ms: float = 0.0, verify: bool = True,
-               on_event: Callable[[Event], None] | None = None) -> KVRun:
+    def run_kv(self, *, mode: str = "push-pipelined", compute_ms: float = 0.0,
+               verify: bool = True, on_event: Callable[[Event], None] | None = None) -> KVRun:
+        """One transfer in ``mode`` (one of MODES; "pipelined"/"eager" mean push).
+
+        Push: timed from the push to the last byte in place; exposed time is what is left
+        after the prefill's last layer. Pull: prefill computes and holds, then decode pulls
+        (timed from the pull); exposed time is pull-eager's whole pull, and for pull-lazy
+        the time the decode forward (``compute_ms`` per layer too) stalled on KV.
+        GB/s count the bytes that crossed the wire (all of them unless --prefix-hit).
+        """
+        mode = {"pipelined": "push-pipelined", "eager": "push-eager"}.get(mode, mode)
+        if mode not in MODES:
+            raise KVStreamError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        who, when = mode.split("-")
+        pull = when if who == "pull" else ""
         self._run += 1
         r = self._run
         rid = f"bench-{r}"
-        self._dq_cmd.put(Cmd(op="kv", run=r, request_id=rid, blocks=self.dst_ids,
-                             src_blocks=self.src_ids, verify=verify,
-                             report_layers=on_event is not None))
-        self._wait(self._dq_evt, "ready", run=r)
-        self._pq_cmd.put(Cmd(op="kv", run=r, request_id=rid, peer="bench-decode",
-                             blocks=self.src_ids, mode=mode, compute_ms=compute_ms))
+        decode = Cmd(op="kv", run=r, request_id=rid, blocks=self.dst_ids, peer="bench-prefill",
+                     src_blocks=self.src_ids, verify=verify, report_layers=on_event is not None,
+                     pull=pull, hit_blocks=self.spec.hit_blocks, compute_ms=compute_ms)
+        prefill = Cmd(op="kv", run=r, request_id=rid, peer="bench-decode", blocks=self.src_ids,
+                      mode="pipelined" if pull else when, compute_ms=compute_ms, pull=pull)
+        if pull:
+            self._pq_cmd.put(prefill)
+            self._wait(self._pq_evt, "offered", run=r)
+            self._dq_cmd.put(decode)
+        else:
+            self._dq_cmd.put(decode)
+            self._wait(self._dq_evt, "ready", run=r)
+            self._pq_cmd.put(prefill)
         d = self._wait(self._dq_evt, "done", run=r, on_event=on_event)
         p = self._wait(self._pq_evt, "done", run=r)
         self.last_stats = {"prefill": p.stats, "decode": d.stats}
-        seconds = d.t - p.t0
-        return KVRun(mode=mode, seconds=seconds, gbps=self.spec.payload_bytes / seconds / 1e9,
-                     exposed_ms=(d.t - p.t_last_ready) * 1e3, verified=d.verified,
+        seconds = d.t - (d.t0 if pull else p.t0)
+        # A pull starts once the prefill is done: all of it is exposed, except in lazy mode
+        # where the decode forward overlaps it; a push is exposed after the last layer.
+        exposed = {"lazy": d.waited_s, "eager": d.t - d.t0}.get(pull, d.t - p.t_last_ready)
+        return KVRun(mode=mode, seconds=seconds, gbps=d.wire_bytes / seconds / 1e9,
+                     exposed_ms=exposed * 1e3, verified=d.verified,
                      status=d.status if d.status != "completed" else p.status,
                      reason=d.reason or p.reason, layer_ready_us=p.overhead_us,
-                     wait_layer_us=d.overhead_us)
+                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes)
 
     def run_raw(self, *, wire: bool = False) -> float:
         self._run += 1
@@ -248,30 +292,40 @@ def _pct(samples: list[float], q: float) -> float | None:
 
 def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | None = None,
               nats_url: str | None = None, raw: bool = True, sidecar: bool = False,
+              modes: list[str] | None = None,
               progress: Callable[[str], None] | None = None) -> BenchResult:
+    """``modes``: transfer modes to measure (default: push-pipelined for throughput, and
+    push-pipelined against push-eager for exposed time)."""
     say = progress or (lambda _msg: None)
-    kv_runs: list[KVRun] = []
+    for mode in modes or ():
+        if mode not in MODES:
+            raise KVStreamError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    rate_modes = list(modes or ["push-pipelined"])
+    exposure_modes = list(modes or ["push-pipelined", "push-eager"])
+    runs: dict[str, list[KVRun]] = {m: [] for m in rate_modes}
+    exposure: dict[str, list[KVRun]] = {}
     sc_runs: list[KVRun] = []
     raw_runs: list[float] = []
     wire = 0.0
-    exposed: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         h = stack.enter_context(Harness(spec, nats_url=nats_url))
         hs = (stack.enter_context(Harness(spec, nats_url=h.nats_url, sidecar=True))
               if sidecar else None)
         say("warm-up")
-        h.run_kv(verify=False)
+        for mode in rate_modes:
+            h.run_kv(mode=mode, verify=False)
         if hs is not None:
-            hs.run_kv(verify=False)
+            hs.run_kv(mode=rate_modes[0], verify=False)
         if raw:
             h.run_raw()
         # Interleave the variants so machine noise hits all alike.
         for i in range(repeat):
-            say(f"round {i + 1}/{repeat}: kvstream")
-            kv_runs.append(h.run_kv())
+            for mode in rate_modes:
+                say(f"round {i + 1}/{repeat}: kvstream {mode}")
+                runs[mode].append(h.run_kv(mode=mode))
             if hs is not None:
                 say(f"round {i + 1}/{repeat}: kvstream, agents in sidecars")
-                sc_runs.append(hs.run_kv())
+                sc_runs.append(hs.run_kv(mode=rate_modes[0]))
             if raw:
                 say(f"round {i + 1}/{repeat}: raw ucxx")
                 raw_runs.append(h.run_raw())
@@ -279,21 +333,28 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             say("raw ucxx, contiguous buffers (wire speed)")
             wire = max(h.run_raw(wire=True) for _ in range(repeat))
         if layer_compute_ms is not None:
-            for mode in ("pipelined", "eager"):
+            for mode in exposure_modes:
                 say(f"exposed time, {mode}, {layer_compute_ms} ms compute per layer")
-                runs = [h.run_kv(mode=mode, compute_ms=layer_compute_ms) for _ in range(repeat)]
-                exposed[mode] = statistics.median(r.exposed_ms for r in runs)
-                kv_runs.extend(runs)
+                exposure[mode] = [h.run_kv(mode=mode, compute_ms=layer_compute_ms)
+                                  for _ in range(repeat)]
         stats = {**h.last_stats, **({f"sidecar_{k}": v for k, v in hs.last_stats.items()}
                                     if hs is not None else {})}
-    best_kv = max(r.gbps for r in kv_runs[:repeat])
+    every = [r for rs in (*runs.values(), *exposure.values(), sc_runs) for r in rs]
+    exposed = {m: statistics.median(r.exposed_ms for r in rs) for m, rs in exposure.items()}
+    first = runs[rate_modes[0]]
+    best_kv = max(r.gbps for r in first)
     best_raw = max(raw_runs) if raw_runs else 0.0
     best_sc = max((r.gbps for r in sc_runs), default=0.0)
-    overhead_runs = sc_runs or kv_runs
+    overhead_runs = sc_runs or first
     ready_us = [x for r in overhead_runs for x in r.layer_ready_us]
     wait_us = [x for r in overhead_runs for x in r.wait_layer_us]
+    best_run = max(first, key=lambda r: r.gbps)
+
+    def rounded(x: float | None) -> float | None:
+        return None if x is None else round(x, 2)
+
     return BenchResult(
-        verified=all(r.verified and r.status == "completed" for r in (*kv_runs, *sc_runs)),
+        verified=all(r.verified and r.status == "completed" for r in every),
         kvstream_gbps=round(best_kv, 3),
         ucx_gbps=round(best_raw, 3),
         ratio=round(best_kv / best_raw, 3) if best_raw else 0.0,
@@ -305,11 +366,11 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         blocks_per_layer=spec.blocks,
         scattered=spec.scattered,
         repeat=repeat,
-        kvstream_runs_gbps=[round(r.gbps, 3) for r in kv_runs[:repeat]],
+        kvstream_runs_gbps=[round(r.gbps, 3) for r in first],
         ucx_runs_gbps=[round(g, 3) for g in raw_runs],
         layer_compute_ms=layer_compute_ms,
-        exposed_ms_pipelined=round(exposed["pipelined"], 2) if exposed else None,
-        exposed_ms_eager=round(exposed["eager"], 2) if exposed else None,
+        exposed_ms_pipelined=rounded(exposed.get("push-pipelined")),
+        exposed_ms_eager=rounded(exposed.get("push-eager")),
         sidecar_gbps=round(best_sc, 3) if sidecar else None,
         sidecar_ratio=round(best_sc / best_kv, 3) if sidecar else None,
         sidecar_runs_gbps=[round(r.gbps, 3) for r in sc_runs],
@@ -319,4 +380,13 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         wait_layer_us_p50=_pct(wait_us, 0.5),
         wait_layer_us_p99=_pct(wait_us, 0.99),
         final_stats=stats,
+        modes={m: ModeResult(
+            gbps=round(max(r.gbps for r in runs[m]), 3), exposed_ms=rounded(exposed.get(m)),
+            verified=all(r.verified and r.status == "completed"
+                         for r in (*runs[m], *exposure.get(m, []))),
+            wire_bytes=max(r.wire_bytes for r in runs[m]),
+            runs_gbps=[round(r.gbps, 3) for r in runs[m]]) for m in (modes or [])},
+        prefix_hit=spec.prefix_hit,
+        wire_bytes=best_run.wire_bytes,
+        effective_gbps=round(spec.payload_bytes / best_run.seconds / 1e9, 3),
     )

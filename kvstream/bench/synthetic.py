@@ -25,6 +25,18 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     scattered: bool = True
     progress_mode: str = "thread"
     namespace: str = "bench"
+    prefix_hit: float = 0.0  # share of the prompt's blocks already at the destination
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The prompt's prefix-chain hashes (tokens 0..n-1), as both engines compute them."""
+        from kvstream.prefix import block_hashes
+
+        return block_hashes(range(self.tokens), self.layout.block_size)  # type: ignore[arg-type]
+
+    @property
+    def hit_blocks(self) -> int:
+        return min(len(self.block_hashes), round(self.prefix_hit * self.blocks))
 
     @property
     def blocks(self) -> int:

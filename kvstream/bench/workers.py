@@ -28,7 +28,9 @@ class Cmd(msgspec.Struct, kw_only=True):
     src_blocks: list[int] = []  # decode side: what to verify against
     peer: str = ""
     peer_address: bytes = b""
-    mode: str = "pipelined"
+    mode: str = "pipelined"  # push: pipelined | eager
+    pull: str = ""  # "" (push) | eager | lazy
+    hit_blocks: int = 0  # the first blocks are already at the destination (incremental)
     compute_ms: float = 0.0
     wire: bool = False
     verify: bool = True
@@ -48,6 +50,8 @@ class Event(msgspec.Struct, kw_only=True):
     address: bytes = b""
     stats: dict[str, int] = {}
     overhead_us: list[float] = []  # per-call engine->agent cost (layer_ready / wait_layer)
+    waited_s: float = 0.0  # lazy pull: time the decode forward stalled on KV
+    wire_bytes: int = 0  # bytes this transfer received over the wire
 
 
 def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
@@ -66,28 +70,49 @@ async def _commands(cmd_q: Any):  # type: ignore[no-untyped-def]
         yield cmd
 
 
-def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -> bool:
-    """Compare every landed block with the sender's pattern, regenerated here."""
+def _sender_layers(spec: BenchSpec, mem: Any, src_ids: list[int]) -> Any:
+    """Yield (layer, staging view of the sender's src blocks), regenerated here."""
     import torch
 
     from kvstream.bench.synthetic import fill_layer
     from kvstream.dataplane.memory import RegisteredKV
 
     src_map = mem.block_map(src_ids)
-    dst_map = mem.block_map(dst_ids)
     expect_layer = torch.empty_like(mem.layers[0])
     # The sender's cache has the same shape; one scratch tensor stands for each of its layers.
     ref = RegisteredKV(spec.layout, [expect_layer] * spec.layout.num_layers)
-    nbytes = mem.planes * mem.plane_bytes(len(dst_ids))
-    got = torch.empty(nbytes, dtype=torch.uint8)
-    want = torch.empty(nbytes, dtype=torch.uint8)
+    want = torch.empty(mem.planes * mem.plane_bytes(len(src_ids)), dtype=torch.uint8)
     for layer in range(spec.layout.num_layers):
         fill_layer(expect_layer, layer)
         ref.gather(layer, src_map, ref.staging_view(want, len(src_ids)))
+        yield layer, ref.staging_view(want, len(src_ids))
+
+
+def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -> bool:
+    """Compare every destination block with the sender's pattern, regenerated here."""
+    import torch
+
+    dst_map = mem.block_map(dst_ids)
+    got = torch.empty(mem.planes * mem.plane_bytes(len(dst_ids)), dtype=torch.uint8)
+    for layer, want in _sender_layers(spec, mem, src_ids):
         mem.gather(layer, dst_map, mem.staging_view(got, len(dst_ids)))
-        if not torch.equal(got, want):
+        if not torch.equal(got.view(want.dtype).view(want.shape), want):
             return False
     return True
+
+
+def _prepare(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
+             hit: int) -> None:
+    """Zero the destination blocks (a previous run's bytes must not pass verification),
+    then put the first ``hit`` blocks' KV there, as a prefix cache hit would have."""
+    dst_map = mem.block_map(dst_ids)
+    for layer in range(spec.layout.num_layers):
+        for p in range(mem.planes):
+            mem._planes[layer][p].index_fill_(0, dst_map.index, 0)
+    if hit:
+        held = mem.block_map(dst_ids[:hit])
+        for layer, want in _sender_layers(spec, mem, src_ids[:hit]):
+            mem.scatter(layer, held, want)
 
 
 class _Side:
@@ -162,8 +187,28 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
             t = await raw_receive(side.memory, side.memory.block_map(cmd.blocks), cmd.run,
                                   wire=cmd.wire, ready=ready)
             return Event(kind="done", run=cmd.run, t=t, status="completed")
-        handle = await side.client.expect(cmd.request_id, cmd.blocks)
-        ready()
+        if cmd.verify:
+            await anyio.to_thread.run_sync(_prepare, spec, side.memory, cmd.src_blocks,
+                                           cmd.blocks, cmd.hit_blocks)
+        before = (await side.client.statistics())["bytes_received"]
+        have = spec.block_hashes[:cmd.hit_blocks] if cmd.hit_blocks else []
+        t0, waited = time.monotonic(), 0.0
+        if cmd.pull:
+            handle = await side.client.pull(cmd.request_id, cmd.peer, cmd.blocks,
+                                            mode=cmd.pull, have=have)
+            if cmd.pull == "lazy":  # the decode forward: each layer's KV just before it
+                for layer in range(spec.layout.num_layers):
+                    t = time.monotonic()
+                    try:
+                        await handle.wait_layer(layer)
+                    except Exception:
+                        break
+                    waited += time.monotonic() - t
+                    if cmd.compute_ms:
+                        await anyio.sleep(cmd.compute_ms / 1e3)
+        else:
+            handle = await side.client.expect(cmd.request_id, cmd.blocks, have=have)
+            ready()
         if cmd.report_layers:
             for layer in range(spec.layout.num_layers):
                 try:
@@ -182,9 +227,10 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         if result.ok and cmd.verify:
             verified = await anyio.to_thread.run_sync(
                 _verify, spec, side.memory, cmd.src_blocks, cmd.blocks)
-        return Event(kind="done", run=cmd.run, t=result.ended_at, status=result.status,
-                     reason=result.reason, verified=verified,
-                     stats=await side.client.statistics(), overhead_us=wait_us)
+        stats = await side.client.statistics()
+        return Event(kind="done", run=cmd.run, t=result.ended_at, t0=t0, status=result.status,
+                     reason=result.reason, verified=verified, stats=stats, overhead_us=wait_us,
+                     waited_s=waited, wire_bytes=stats["bytes_received"] - before)
 
     anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)
 
@@ -199,8 +245,14 @@ def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None
             t0 = await raw_send(side.memory, side.memory.block_map(cmd.blocks), cmd.run,
                                 cmd.peer_address, wire=cmd.wire)
             return Event(kind="done", run=cmd.run, t0=t0, status="completed")
+        hashes = spec.block_hashes if spec.prefix_hit else None
         t0 = time.monotonic()
-        handle = await side.client.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode)
+        if cmd.pull:
+            handle = await side.client.offer(cmd.request_id, cmd.blocks, mode=cmd.mode,
+                                             block_hashes=hashes)
+        else:
+            handle = await side.client.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode,
+                                            block_hashes=hashes)
         ready_us = []
         last_ready = 0.0
         for layer in range(spec.layout.num_layers):
@@ -210,6 +262,8 @@ def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None
             handle.layer_ready(layer)
             ready_us.append(_us_since(t))
             last_ready = time.monotonic()
+        if cmd.pull:  # computed and held: the router would now tell decode to pull
+            evt_q.put(Event(kind="offered", run=cmd.run, t_last_ready=last_ready))
         result = await handle.result()
         return Event(kind="done", run=cmd.run, t0=t0, t_last_ready=last_ready,
                      status=result.status, reason=result.reason,

@@ -24,13 +24,16 @@ __all__ = [
     "Abort",
     "Error",
     "Expect",
+    "Fetch",
     "Finished",
     "Hello",
     "LayerLanded",
     "LayerReady",
     "LocalMessage",
     "LocalUnion",
+    "Offer",
     "Ok",
+    "Pull",
     "Push",
     "RegisterKV",
     "Stats",
@@ -64,6 +67,7 @@ class RegisterKV(LocalMessage, tag="register_kv"):
 class Expect(LocalMessage, tag="expect"):
     request_id: str
     blocks: list[int]
+    have: list[int] = []
 
 
 class Push(LocalMessage, tag="push"):
@@ -72,6 +76,31 @@ class Push(LocalMessage, tag="push"):
     src_blocks: list[int]
     dst_blocks: list[int] | None = None
     mode: Literal["pipelined", "eager"] = "pipelined"
+    block_hashes: list[int] = []
+
+
+class Offer(LocalMessage, tag="offer"):
+    request_id: str
+    src_blocks: list[int]
+    block_hashes: list[int] = []
+    mode: Literal["pipelined", "eager"] = "pipelined"
+    lease_s: float | None = None
+
+
+class Pull(LocalMessage, tag="pull"):
+    request_id: str
+    src: str
+    dst_blocks: list[int]
+    mode: Literal["eager", "lazy"] = "eager"
+    have: list[int] = []
+    lookahead: int = 1
+
+
+class Fetch(LocalMessage, tag="fetch"):
+    """Lazy pull: bring layers up to ``layer`` (no reply, like ``LayerReady``)."""
+
+    handle: int
+    layer: int
 
 
 class LayerReady(LocalMessage, tag="layer_ready"):
@@ -111,7 +140,7 @@ class Finished(LocalMessage, tag="finished"):
 
 
 LocalUnion = (Hello | RegisterKV | Expect | Push | LayerReady | Abort | Stats | Ok | Error
-              | LayerLanded | Finished)
+              | LayerLanded | Finished | Offer | Pull | Fetch)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(LocalUnion)

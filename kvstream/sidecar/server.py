@@ -102,13 +102,32 @@ class _Session:
                 else:
                     await self.reply_error(0, ConfigError(f"no send handle {msg.handle} with "
                                                           f"layer {msg.layer}"))
+            case lp.Fetch():
+                handle = self.handles.get(msg.handle)
+                if isinstance(handle, ReceiveHandle) and 0 <= msg.layer < handle.transfer.num_layers:
+                    handle.fetch(msg.layer)
+                else:
+                    await self.reply_error(0, ConfigError(f"no receive handle {msg.handle} with "
+                                                          f"layer {msg.layer}"))
+            case lp.Offer():
+                try:
+                    sent = self.agent.offer(msg.request_id, msg.src_blocks, mode=msg.mode,
+                                            block_hashes=msg.block_hashes, lease_s=msg.lease_s)
+                except KVStreamError as exc:
+                    await self.reply_error(msg.id, exc)
+                    return
+                hid = self._track(sent)
+                await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=sent.transfer.num_layers))
+                tg.start_soon(self._finished, hid, sent)
+            case lp.Pull():
+                tg.start_soon(self._pull, msg, tg)
             case lp.Hello():
                 await self.send(lp.Ok(id=msg.id, instance_id=self.agent.instance_id))
             case lp.RegisterKV():
                 await self.register(msg)
             case lp.Expect():
                 try:
-                    handle = self.agent.expect(msg.request_id, msg.blocks)
+                    handle = self.agent.expect(msg.request_id, msg.blocks, have=msg.have)
                 except KVStreamError as exc:
                     await self.reply_error(msg.id, exc)
                     return
@@ -165,7 +184,8 @@ class _Session:
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
         try:
             handle = await self.agent.push(msg.request_id, msg.dst, msg.src_blocks,
-                                           dst_blocks=msg.dst_blocks, mode=msg.mode)
+                                           dst_blocks=msg.dst_blocks, mode=msg.mode,
+                                           block_hashes=msg.block_hashes)
         except KVStreamError as exc:
             await self.reply_error(msg.id, exc)
             return
@@ -173,10 +193,22 @@ class _Session:
         await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=handle.transfer.num_layers))
         await self._finished(hid, handle)
 
+    async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
+        try:
+            handle = await self.agent.pull(msg.request_id, msg.src, msg.dst_blocks,
+                                           mode=msg.mode, have=msg.have,
+                                           lookahead=msg.lookahead)
+        except KVStreamError as exc:
+            await self.reply_error(msg.id, exc)
+            return
+        hid = self._track(handle)
+        await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=handle.transfer.num_layers))
+        await self._watch_receive(hid, handle)
+
     async def _watch_receive(self, hid: int, handle: ReceiveHandle) -> None:
         for layer in range(handle.transfer.num_layers):
             try:
-                await handle.wait_layer(layer)
+                await handle.wait_landed(layer)
             except KVStreamError:
                 break
             await self.send(lp.LayerLanded(handle=hid, layer=layer))

@@ -28,6 +28,30 @@ def test_bench_json_small(nats_server):
     assert result["exposed_ms_pipelined"] > 0 and result["exposed_ms_eager"] > 0
 
 
+def test_bench_every_mode_json_small(nats_server):
+    modes = ["push-eager", "push-pipelined", "pull-eager", "pull-lazy"]
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--layer-compute-ms", "2", "--json",
+                    *[a for m in modes for a in ("--mode", m)], "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True
+    assert set(result["modes"]) == set(modes)
+    for mode in result["modes"].values():
+        assert mode["verified"] is True and mode["gbps"] > 0 and mode["exposed_ms"] >= 0
+        assert mode["wire_bytes"] == result["payload_bytes"]
+
+
+def test_bench_prefix_hit_halves_the_wire(nats_server):
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--prefix-hit", "0.5", "--json",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True  # the whole cache, held half included
+    assert result["wire_bytes"] == result["payload_bytes"] // 2
+
+
 def test_bench_sidecar_json_small(nats_server):
     out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
                     "--tokens", "512", "--repeat", "1", "--sidecar", "--json",

@@ -96,6 +96,39 @@ async def test_transfer_through_two_sidecars_is_bit_exact(sidecars):
         assert stats["kv_registered_bytes"] == 32 * lay.block_bytes * lay.num_layers
 
 
+async def test_lazy_incremental_pull_through_two_sidecars(sidecars):
+    from kvstream import block_hashes
+
+    lay = small_layout(layers=6)
+    _, psock = sidecars("sc-pull-p")
+    _, dsock = sidecars("sc-pull-d")
+    src, dst = SharedKV.create(lay, 32), SharedKV.create(lay, 32)
+    fill(src)
+    sb, db = [3, 17, 5, 9], [30, 2, 11, 14]
+    hashes = block_hashes(range(4 * lay.block_size), lay.block_size)
+    async with Client.connect(psock) as p, Client.connect(dsock) as d:
+        await p.register_kv(lay, src)
+        await d.register_kv(lay, dst)
+        tx = await p.offer("pulled", sb, block_hashes=hashes)
+        tx.all_ready()
+        rx = await d.pull("pulled", "sc-pull-p", db, mode="lazy", have=hashes[:1], lookahead=0)
+        await anyio.sleep(0.3)
+        assert not rx.layer_landed(0)  # lazy: nothing moves before the engine asks
+        with anyio.fail_after(20):
+            for layer in range(lay.num_layers):
+                await rx.wait_layer(layer)
+            done = await rx.wait()
+            await tx.wait()
+        assert done.bytes_skipped == lay.block_bytes * lay.num_layers
+        for layer in range(lay.num_layers):
+            for a, b in zip(sb[1:], db[1:], strict=True):
+                assert torch.equal(src.layers[layer][:, a], dst.layers[layer][:, b])
+            assert dst.layers[layer][:, db[0]].count_nonzero() == 0  # held: not sent
+        stats = await d.statistics()
+        assert stats["bytes_received"] == 3 * lay.block_bytes * lay.num_layers
+        assert stats["transfers_active"] == 0
+
+
 def _engine_that_hangs(sock: str, layout_blob: bytes, q) -> None:
     """A prefill engine that starts a push, marks one layer ready, then stalls (to be killed)."""
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
