@@ -84,9 +84,12 @@ class ControlPlaneError(KVStreamError):
 class NoPeerError(ControlPlaneError):
     """No instance answers on the subject (NATS no-responders or timeout)."""
 
-    def __init__(self, message: str, *, peer: str | None = None) -> None:
+    def __init__(self, message: str, *, peer: str | None = None,
+                 no_responders: bool = False) -> None:
         super().__init__(message)
         self.peer = peer
+        # True: nobody is subscribed (the process is gone); False: it did not answer in time.
+        self.no_responders = no_responders
 
 
 class DataPlaneError(KVStreamError):

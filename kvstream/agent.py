@@ -177,8 +177,10 @@ class Agent(Admission, Pulling, Liveness):
                 self._end_reservation(handle, TransferState.ABORTED, "agent shutting down")
             for rid in list(self._held):
                 self._end_held(rid, TransferState.ABORTED, "agent shutting down")
-            for lease in [w for w in self._wanted.values() if isinstance(w, RemoteLease)]:
-                await lease.release("agent shutting down")
+            with anyio.move_on_after(self.config.request_timeout_s):
+                async with anyio.create_task_group() as tg:
+                    for lease in [w for w in self._wanted.values() if isinstance(w, RemoteLease)]:
+                        tg.start_soon(lease.release, "agent shutting down")
             streams = list(self._streams.values())
             for stream in streams:
                 stream.stop(TransferState.ABORTED, "agent shutting down")
@@ -436,12 +438,12 @@ class Agent(Admission, Pulling, Liveness):
     async def _on_abort(self, msg: m.Abort) -> m.ControlMessage:
         stream = self._streams.get(msg.transfer_id)
         if stream is None:
-            # An offer not pulled yet (the destination gave up its lease), or already over
-            # here: either way nothing of ours is in flight for it.
-            held = self._held.get(msg.request_id)
-            if held is not None and msg.transfer_id in ("", held.transfer_id):
-                self._end_held(msg.request_id, TransferState.ABORTED,
-                               f"aborted by {msg.by}: {msg.reason}")
+            # No running transfer by that id: an offer or a lease by request id, or already
+            # over here; either way nothing of ours is in flight for it after this.
+            self._on_held_abort(msg)
+            if not msg.transfer_id and msg.request_id in self._pulled:
+                with anyio.move_on_after(self.config.request_timeout_s):
+                    await self._pulled[msg.request_id].quiesced.wait()
             return m.AbortAck(transfer_id=msg.transfer_id)
         self.registry.contact(msg.by)
         stream.stop(TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}", by_peer=True)

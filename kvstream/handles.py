@@ -104,6 +104,7 @@ class SendHandle(_Handle):
         # Offered for a pull: held until the lease (renewed by the puller) runs out.
         self.lease_s = 0.0
         self.lease_until = 0.0
+        self.keepers: set[str] = set()  # instances that renewed the lease
 
     def layer_ready(self, layer: int) -> None:
         """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""

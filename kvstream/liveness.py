@@ -56,6 +56,7 @@ class Liveness:
         reason = f"peer lost: {self.registry.why_dead(peer)}"
         self._lose_wanted(peer, [rid for src, rid in self._wanted if src == peer],
                           PeerLostError(reason, peer=peer), peer_dead=True)
+        self._release_orphaned_offers()
         for stream in list(self._streams.values()):
             if stream.peer == peer and not (isinstance(stream, RecvStream) and stream.all_received):
                 log.warning("%r: %s", stream.handle.transfer, reason)

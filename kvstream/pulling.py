@@ -12,6 +12,7 @@ only who sends the manifest differs: in a pull the source answers the ``Pull`` w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from kvstream._exceptions import (
     NoPeerError,
     PeerLostError,
     ProtocolError,
+    TransferAbortedError,
     TransferError,
 )
 from kvstream.control import messages as m
@@ -89,14 +91,19 @@ class RemoteLease:
         return self.error is None and not self.released
 
     def _lose(self, error: KVStreamError) -> None:
-        if self.error is None:
+        if self.error is None and not self.released:
             self.error = error
             self._lost.set()
 
-    async def lost(self) -> KVStreamError:
-        """Wait until the source no longer holds the blocks; returns why."""
+    def _hand_over(self) -> None:
+        """A pull of the same request took the lease over: this object's job is done."""
+        self.released = True
+        self._lost.set()
+
+    async def lost(self) -> KVStreamError | None:
+        """Wait until the source no longer holds the blocks for this lease; returns why
+        (None: released, or taken over by a pull)."""
         await self._lost.wait()
-        assert self.error is not None
         return self.error
 
     async def release(self, reason: str = "the destination no longer wants it") -> None:
@@ -104,6 +111,7 @@ class RemoteLease:
         if self.released:
             return
         self.released = True
+        self._lost.set()
         agent = self._agent
         if agent._wanted.get((self.src, self.request_id)) is self:
             del agent._wanted[(self.src, self.request_id)]
@@ -213,12 +221,14 @@ class Pulling:
                 unknown.append(rid)
                 continue
             handle.lease_until = now + handle.lease_s
+            handle.keepers.add(msg.by)
             leases.append(handle.lease_s)
         self.registry.contact(msg.by)
         return m.RenewAck(unknown=unknown, lease_s=min(leases, default=self.config.lease_s))
 
     def _expire_leases(self: Agent, now: float) -> None:
-        """Release what nobody renewed (the watchdog calls this)."""
+        """Release what nobody renewed or whose keepers died (the watchdog calls this)."""
+        self._release_orphaned_offers()
         for rid, handle in list(self._held.items()):
             if now > handle.lease_until:
                 del self._held[rid]
@@ -230,13 +240,48 @@ class Pulling:
                 stream.stop(TransferState.EXPIRED,
                             f"lease of {stream.handle.lease_s}s expired mid-pull")
 
-    def _end_held(self: Agent, request_id: str, state: TransferState, reason: str) -> bool:
+    def _end_held(self: Agent, request_id: str, state: TransferState, reason: str, *,
+                  tell: bool = True) -> bool:
         handle = self._held.pop(request_id, None)
         if handle is None:
             return False
         if handle.transfer.finish(state, reason):
             self._count(state.value, 1)
+        if tell and handle.keepers and self._tg is not None:
+            # Whoever keeps a lease on it learns now, not at its next renewal.
+            for keeper in handle.keepers:
+                self._tg.start_soon(self._tell_keeper, keeper, request_id, reason)
         return True
+
+    async def _tell_keeper(self: Agent, keeper: str, request_id: str, reason: str) -> None:
+        with contextlib.suppress(KVStreamError):
+            await self._bus_().publish(self.subjects.control(keeper), m.Abort(
+                transfer_id="", request_id=request_id, reason=reason, by=self.instance_id))
+
+    def _on_held_abort(self: Agent, msg: m.Abort) -> None:
+        """An Abort naming no running transfer: an offer's keeper gave it up, a pull that
+        failed after it was sent, or (here as a keeper) the source ended what we kept."""
+        held = self._held.get(msg.request_id)
+        if held is not None and msg.transfer_id in ("", held.transfer_id):
+            self._end_held(msg.request_id, TransferState.ABORTED,
+                           f"aborted by {msg.by}: {msg.reason}", tell=False)
+        pulled = self._pulled.get(msg.request_id)
+        if pulled is not None and not msg.transfer_id and pulled.peer == msg.by:
+            pulled.stop(TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}",
+                        by_peer=True)
+        kept = self._wanted.get((msg.by, msg.request_id))
+        if isinstance(kept, RemoteLease):
+            del self._wanted[(msg.by, msg.request_id)]
+            kept._lose(TransferAbortedError(f"{msg.by} ended {msg.request_id!r}: {msg.reason}",
+                                            request_id=msg.request_id, peer=msg.by))
+
+    def _release_orphaned_offers(self: Agent) -> None:
+        """Offers whose every keeper died are released now, not at lease expiry."""
+        for rid, handle in list(self._held.items()):
+            if handle.keepers and not any(self.registry.alive(k) for k in handle.keepers):
+                self._end_held(rid, TransferState.FAILED, "peer lost: every instance keeping "
+                               f"its lease ({', '.join(sorted(handle.keepers))}) is gone",
+                               tell=False)
 
     # -- the destination side ----------------------------------------------------------
     async def keep(self: Agent, request_id: str, src_instance: str) -> RemoteLease:
@@ -266,7 +311,7 @@ class Pulling:
             if self._wanted.get(key) is lease:
                 del self._wanted[key]
             raise
-        self._peer_lease[src_instance] = reply.lease_s or self.config.lease_s
+        self._note_lease(src_instance, reply.lease_s)
         self.registry.contact(src_instance)
         return lease
 
@@ -292,14 +337,24 @@ class Pulling:
         self._check_capacity()
         dst_tag = wire.next_xfer_tag()
         deadline = timeout or self.config.transfer_timeout_s
-        reply = await self._bus_().request(
-            self.subjects.control(src_instance),
-            m.Pull(request_id=request_id, src=src_instance, dst=self.instance_id,
-                   dst_address=self.worker_address, dst_tag=dst_tag,
-                   fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
-                   dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
-                   deadline_s=deadline),
-            timeout=self.config.request_timeout_s, peer=src_instance)
+        try:
+            reply = await self._bus_().request(
+                self.subjects.control(src_instance),
+                m.Pull(request_id=request_id, src=src_instance, dst=self.instance_id,
+                       dst_address=self.worker_address, dst_tag=dst_tag,
+                       fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+                       dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
+                       deadline_s=deadline),
+                timeout=self.config.request_timeout_s, peer=src_instance)
+        except BaseException as exc:
+            # The source may have started sending anyway: stop it (and the offer) rather than
+            # leave it waiting for credits that never come.
+            if not (isinstance(exc, NoPeerError) and exc.no_responders):
+                with anyio.CancelScope(shield=True), \
+                        anyio.move_on_after(self.config.request_timeout_s):
+                    await self._request_abort(src_instance, "", f"pull failed: {exc!r}",
+                                              request_id=request_id)
+            raise
         if isinstance(reply, m.Reject):
             kind = {"incompatible": IncompatiblePeerError, "invalid_blocks": InvalidBlockError,
                     "malformed": ProtocolError}.get(reply.code, TransferError)
@@ -313,9 +368,11 @@ class Pulling:
             if isinstance(reply, m.Manifest) and reply.transfer_id:
                 await self._request_abort(src_instance, reply.transfer_id, "bad pull answer")
             raise
-        if isinstance(kept_lease, RemoteLease) and self._wanted.get(key) is kept_lease:
-            del self._wanted[key]  # the pull takes the lease over
-        self._peer_lease[src_instance] = reply.lease_s or self.config.lease_s
+        current = self._wanted.get(key)
+        if isinstance(current, RemoteLease):  # kept before or during the pull: taken over
+            del self._wanted[key]
+            current._hand_over()
+        self._note_lease(src_instance, reply.lease_s)
         self.registry.contact(src_instance)
         kept = blocks.without(reply.skip)
         t = Transfer(transfer_id=reply.transfer_id, request_id=request_id, side=Side.RECV,
@@ -327,10 +384,16 @@ class Pulling:
         if not kept:
             self._complete_empty(t, handle)
             return handle
-        stream = RecvStream(self._env(), handle, peer_address=reply.src_address,
-                            src_tag=reply.src_tag, dst_tag=dst_tag,
-                            src_contiguous=is_run(without(reply.src_blocks, reply.skip)),
-                            nblocks=len(kept))
+        try:
+            stream = RecvStream(self._env(), handle, peer_address=reply.src_address,
+                                src_tag=reply.src_tag, dst_tag=dst_tag,
+                                src_contiguous=is_run(without(reply.src_blocks, reply.skip)),
+                                nblocks=len(kept))
+        except KVStreamError as exc:  # e.g. the memory was unregistered meanwhile
+            if t.finish(TransferState.FAILED, str(exc)):
+                self._count("failed", 1)
+            await self._request_abort(src_instance, t.transfer_id, str(exc))
+            raise
         self._wanted[key] = stream
         self._run_stream(t.transfer_id, stream)
         return handle
@@ -366,14 +429,18 @@ class Pulling:
                 self.subjects.control(src), m.Renew(by=self.instance_id, request_ids=rids),
                 timeout=self.config.request_timeout_s, peer=src)
         except NoPeerError as exc:
-            self._lose_wanted(src, rids, PeerLostError(f"peer lost: {exc}", peer=src),
-                              peer_dead=True)
+            if exc.no_responders:  # nobody subscribed: the process is gone
+                self._lose_wanted(src, rids, PeerLostError(f"peer lost: {exc}", peer=src),
+                                  peer_dead=True)
+            else:  # slow, not gone: heartbeats decide that
+                log.info("renewal with %s: %s", src, exc)
             return
-        except KVStreamError as exc:  # slow, not gone: heartbeats decide that
+        except KVStreamError as exc:
             log.info("renewal with %s: %s", src, exc)
             return
         self._count("renewals_sent", 1)
         if isinstance(reply, m.RenewAck):
+            # The shortest lease among everything we renewed there sets our pace.
             self._peer_lease[src] = reply.lease_s or self.config.lease_s
             self.registry.contact(src)
             if reply.unknown:
@@ -389,6 +456,10 @@ class Pulling:
                 item._lose(error)
             elif isinstance(item, RecvStream) and not item.all_received:
                 item.stop(TransferState.FAILED, str(error), peer_dead=peer_dead)
+
+    def _note_lease(self: Agent, src: str, lease_s: float) -> None:
+        lease = lease_s or self.config.lease_s
+        self._peer_lease[src] = min(self._peer_lease.get(src, lease), lease)
 
     # -- shared ------------------------------------------------------------------------
     def _check_capacity(self: Agent) -> None:

@@ -62,7 +62,8 @@ class ControlBus:
         try:
             reply = await self._nc.request(subject, m.encode(msg), timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as exc:
-            raise NoPeerError(f"no instance answers on {subject}", peer=peer) from exc
+            raise NoPeerError(f"no instance answers on {subject}", peer=peer,
+                              no_responders=True) from exc
         except nats.errors.TimeoutError as exc:
             raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer) from exc
         except nats.errors.Error as exc:

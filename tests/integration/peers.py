@@ -112,3 +112,16 @@ def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q
                 await anyio.sleep(0.01)
 
     anyio.run(main)
+
+
+def keeping_peer(nats_url: str, request_id: str, src: str, q: Any) -> None:
+    """Keep a lease on ``request_id`` at ``src``, then hang (to be killed)."""
+    from kvstream.agent import Agent
+
+    async def main() -> None:
+        async with Agent(_cfg("peer-keeper", nats_url)) as agent:
+            await agent.keep(request_id, src)
+            q.put("kept")
+            await anyio.sleep(60)
+
+    anyio.run(main)

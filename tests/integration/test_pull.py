@@ -10,10 +10,16 @@ import msgspec
 import pytest
 import torch
 
-from kvstream import LeaseExpiredError, PeerLostError, TransferError, block_hashes
+from kvstream import (
+    LeaseExpiredError,
+    PeerLostError,
+    TransferAbortedError,
+    TransferError,
+    block_hashes,
+)
 from tests.fakes import small_layout
 from tests.integration.agents import agent_pair, assert_at_rest, settle
-from tests.integration.peers import offering_peer
+from tests.integration.peers import keeping_peer, offering_peer
 
 pytestmark = pytest.mark.anyio
 
@@ -163,7 +169,7 @@ async def test_kept_lease_outlives_its_period_and_few_renewals_are_sent(nats_ser
         rx = await d.pull("r0", "p-keep", [10])  # the pull takes the lease over
         with anyio.fail_after(5):
             await rx.wait()
-        assert not leases[0].active or leases[0] not in d._wanted.values()
+        assert not leases[0].active and await leases[0].lost() is None  # taken over
         for lease in leases[1:]:
             await lease.release()  # "I no longer want it": the source frees it now
         with anyio.fail_after(5):
@@ -173,17 +179,39 @@ async def test_kept_lease_outlives_its_period_and_few_renewals_are_sent(nats_ser
         assert_at_rest(p, d)
 
 
-async def test_source_abort_reaches_the_lease(nats_server):
+async def test_source_abort_reaches_the_lease_at_once(nats_server):
     lay = small_layout()
     async with agent_pair(nats_server, "p-sab", "d-sab", lay, 8,
-                          p_kw=dict(lease_s=0.8)) as (p, d):
+                          p_kw=dict(lease_s=8.0)) as (p, d):
         held = p.offer("r", [1])
         lease = await d.keep("r", "p-sab")
         await held.abort("prefill preempted")
-        with anyio.fail_after(5):
+        with anyio.fail_after(1.0):  # told now, not at the next renewal (2 s away)
             err = await lease.lost()
-        assert isinstance(err, LeaseExpiredError)
+        assert isinstance(err, TransferAbortedError) and "preempted" in str(err)
         assert_at_rest(p, d)
+
+
+async def test_dead_keeper_releases_the_offer_before_its_lease_ends(nats_server):
+    lay = small_layout()
+    async with agent_pair(nats_server, "p-dk", "d-dk-0", lay, 8,
+                          p_kw=dict(lease_s=30.0)) as (p, _d):
+        held = p.offer("r", [1])
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=keeping_peer, args=(nats_server.url, "r", "p-dk", q),
+                           daemon=True)
+        proc.start()
+        try:
+            assert await anyio.to_thread.run_sync(q.get, True, 60) == "kept"
+            proc.kill()
+            with anyio.fail_after(10):  # peer_timeout_s=1 here, the lease is 30 s
+                result = await held.result()
+            assert result.status == "failed" and "peer lost" in result.reason
+        finally:
+            proc.kill()
+            proc.join(5)
+        assert_at_rest(p)
 
 
 async def test_prefill_dies_mid_pull_fails_fast(nats_server):
