@@ -41,9 +41,8 @@ class Admission:
         mem = self.memory
         if mem is None:
             return reject("no_reservation", f"{self.instance_id} has no registered KV memory")
-        if msg.fingerprint != mem.layout.fingerprint or msg.num_layers != mem.layout.num_layers:
-            return reject("incompatible", f"layout fingerprint {msg.fingerprint} != "
-                          f"{mem.layout.fingerprint} ({mem.layout.describe()})")
+        if (why := mem.layout_mismatch(msg.fingerprint, msg.num_layers)) is not None:
+            return reject("incompatible", why)
         if msg.codec != "none":
             return reject("incompatible", f"codec {msg.codec!r} is not supported here")
         if msg.transfer_id in self._streams:

@@ -165,9 +165,8 @@ class Pulling:
         mem = self.memory
         if mem is None:
             return reject("unknown_request", f"{self.instance_id} has no registered KV memory")
-        if msg.fingerprint != mem.layout.fingerprint or msg.num_layers != mem.layout.num_layers:
-            return reject("incompatible", f"layout fingerprint {msg.fingerprint} != "
-                          f"{mem.layout.fingerprint} ({mem.layout.describe()})")
+        if (why := mem.layout_mismatch(msg.fingerprint, msg.num_layers)) is not None:
+            return reject("incompatible", why)
         try:
             Subjects.check_instance_id(msg.dst)
         except ConfigError as exc:

@@ -134,6 +134,13 @@ class RegisteredKV:
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes * self.layout.num_layers
 
+    def layout_mismatch(self, fingerprint: str, num_layers: int) -> str | None:
+        """Why a peer's KV cannot land here (None: it can)."""
+        if fingerprint == self.layout.fingerprint and num_layers == self.layout.num_layers:
+            return None
+        return (f"layout fingerprint {fingerprint} != {self.layout.fingerprint} "
+                f"({self.layout.describe()})")
+
     def block_map(self, ids: Sequence[int], *, what: str = "block") -> BlockMap:
         """Validate ids against this memory; raises ``InvalidBlockError`` naming the bad ones."""
         if not ids:

@@ -182,28 +182,25 @@ class _Session:
         await self.send(lp.Ok(id=msg.id, num_layers=layout.num_layers))
 
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
-        try:
-            handle = await self.agent.push(msg.request_id, msg.dst, msg.src_blocks,
-                                           dst_blocks=msg.dst_blocks, mode=msg.mode,
-                                           block_hashes=msg.block_hashes)
-        except KVStreamError as exc:
-            await self.reply_error(msg.id, exc)
-            return
-        hid = self._track(handle)
-        await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=handle.transfer.num_layers))
-        await self._finished(hid, handle)
+        await self._start(msg.id, self.agent.push(
+            msg.request_id, msg.dst, msg.src_blocks, dst_blocks=msg.dst_blocks, mode=msg.mode,
+            block_hashes=msg.block_hashes), self._finished)
 
     async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
+        await self._start(msg.id, self.agent.pull(
+            msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
+            lookahead=msg.lookahead), self._watch_receive)
+
+    async def _start(self, rid: int, begin: Any, follow: Any) -> None:
+        """Await a transfer's start, answer the engine with its handle, then follow it."""
         try:
-            handle = await self.agent.pull(msg.request_id, msg.src, msg.dst_blocks,
-                                           mode=msg.mode, have=msg.have,
-                                           lookahead=msg.lookahead)
+            handle = await begin
         except KVStreamError as exc:
-            await self.reply_error(msg.id, exc)
+            await self.reply_error(rid, exc)
             return
         hid = self._track(handle)
-        await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=handle.transfer.num_layers))
-        await self._watch_receive(hid, handle)
+        await self.send(lp.Ok(id=rid, handle=hid, num_layers=handle.transfer.num_layers))
+        await follow(hid, handle)
 
     async def _watch_receive(self, hid: int, handle: ReceiveHandle) -> None:
         for layer in range(handle.transfer.num_layers):
