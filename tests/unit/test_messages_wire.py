@@ -20,6 +20,10 @@ SAMPLES = [
     m.Done(transfer_id="t", request_id="r", status="completed", bytes=10, layers=2),
     m.Abort(transfer_id="t", request_id="r", reason="why", by="d"),
     m.AbortAck(transfer_id="t"),
+    m.Pull(request_id="r", src="p", dst="d", dst_address=b"y", dst_tag=9, fingerprint="f",
+           num_layers=2, dst_blocks=[3, 4], have=[11], mode="lazy"),
+    m.Renew(by="d", request_ids=["r", "s"]),
+    m.RenewAck(unknown=["s"], lease_s=30.0),
 ]
 
 
@@ -33,7 +37,8 @@ def test_tags_are_stable():
     tags = {type(s).__name__: s.__struct_config__.tag for s in SAMPLES}
     assert tags == {"Announce": "kv.announce", "Leave": "kv.leave", "Manifest": "kv.manifest",
                     "Accept": "kv.accept", "Reject": "kv.reject", "Done": "kv.done",
-                    "Abort": "kv.abort", "AbortAck": "kv.abort_ack"}
+                    "Abort": "kv.abort", "AbortAck": "kv.abort_ack", "Pull": "kv.pull",
+                    "Renew": "kv.renew", "RenewAck": "kv.renew_ack"}
 
 
 def test_v1_fixture_still_decodes():
@@ -88,3 +93,16 @@ def test_header_round_trip_and_bounds():
     with pytest.raises(ProtocolError):
         wire.decode_header(bad.data)
     assert wire.decode_credit(wire.encode_credit(12)) == 12
+
+
+def test_block_hashes_are_a_prefix_chain():
+    from kvstream import block_hashes
+    from kvstream.prefix import skipped_indices
+
+    a = block_hashes(list(range(64)), 16)
+    b = block_hashes(list(range(32)) + [0] * 32, 16)
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
+    assert block_hashes(list(range(70)), 16) == a  # a partial last block gets no hash
+    assert block_hashes(list(range(64)), 16, extra=b"other-model") != a  # keyed chains
+    assert all(0 <= h < 2**63 for h in a)
+    assert skipped_indices(a, b[:2]) == [0, 1] and skipped_indices(a, []) == []
