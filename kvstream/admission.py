@@ -101,6 +101,7 @@ class Admission:
                     return m.Accept(transfer_id=msg.transfer_id, dst_tag=0,
                                     dst_address=self.worker_address, dst_blocks=full.ids,
                                     skip=skip)
+        t.deadline_s = msg.deadline_s  # the sender's deadline holds on both sides
         self.registry.contact(msg.src)
         dst_tag = wire.next_xfer_tag()
         src_kept = without(msg.src_blocks, skip)

@@ -303,6 +303,7 @@ class Agent(Admission, Pulling, Liveness):
         transfer = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
                             peer=dst_instance, num_layers=mem.layout.num_layers,
                             layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+        transfer.deadline_s = timeout
         handle = SendHandle(transfer, lambda reason: self._abort(transfer, reason),
                             eager=mode == "eager", blocks=blocks)
         src_tag = wire.next_xfer_tag()

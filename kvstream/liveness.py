@@ -76,9 +76,8 @@ class Liveness:
                 received = isinstance(stream, RecvStream) and stream.all_received
                 if not received and not self.registry.alive(stream.peer):
                     self._fail_peer(stream.peer)
-                elif now - t.started_at > self.config.transfer_timeout_s:
-                    stream.stop(TransferState.TIMED_OUT,
-                                f"not done after {self.config.transfer_timeout_s}s")
+                elif now - t.started_at > (limit := t.deadline_s or self.config.transfer_timeout_s):
+                    stream.stop(TransferState.TIMED_OUT, f"not done after {limit}s")
             for request_id, (stream, _) in list(self._unclaimed.items()):
                 t = stream.handle.transfer
                 if now - t.started_at > self.config.reservation_timeout_s:

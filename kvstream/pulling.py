@@ -184,6 +184,7 @@ class Pulling:
         t = handle.transfer
         t.peer = msg.dst
         t.started_at = time.monotonic()  # the transfer deadline counts from the pull
+        t.deadline_s = msg.deadline_s
         handle.blocks = full.without(skip)
         shrink(t, mem, len(full), len(handle.blocks))
         self._count("bytes_skipped", t.bytes_skipped)
@@ -377,6 +378,7 @@ class Pulling:
         t = Transfer(transfer_id=reply.transfer_id, request_id=request_id, side=Side.RECV,
                      peer=src_instance, num_layers=mem.layout.num_layers, layer_bytes=0)
         shrink(t, mem, len(blocks), len(kept))
+        t.deadline_s = deadline
         self._count("bytes_skipped", t.bytes_skipped)
         handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=kept,
                                lazy=mode == "lazy", lookahead=lookahead)

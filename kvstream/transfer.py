@@ -84,6 +84,7 @@ class Transfer:
         self.layers_done = [False] * num_layers
         self.done_count = 0
         self.bytes_skipped = 0
+        self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
 
     def __repr__(self) -> str:

@@ -273,3 +273,22 @@ async def test_destination_abort_mid_transfer_no_write_after_the_ack(nats_server
         assert sent < lay.num_layers * lay.block_bytes * 4  # the source stopped sending
         await settle(p, d)
         assert_at_rest(p, d)
+
+
+@pytest.mark.parametrize("how", ["push", "pull"])
+async def test_per_transfer_deadline_holds_on_both_sides(nats_server, how):
+    lay = small_layout()
+    async with agent_pair(nats_server, f"p-dl-{how}", f"d-dl-{how}", lay, 8) as (p, d):
+        if how == "push":
+            rx = d.expect("r", [1, 2])
+            tx = await p.push("r", f"d-dl-{how}", [3, 4], timeout=0.6)
+        else:
+            tx = p.offer("r", [3, 4])
+            rx = await d.pull("r", f"p-dl-{how}", [1, 2], timeout=0.6)
+        # No layer is ever marked ready: the 0.6 s deadline, not the 60 s default, ends it.
+        with anyio.fail_after(5):
+            ends = {(await rx.result()).status, (await tx.result()).status}
+        # Whichever side's watchdog fires first times out and tells the other (an abort).
+        assert "timed_out" in ends and ends <= {"timed_out", "aborted"}
+        await settle(p, d)
+        assert_at_rest(p, d)
