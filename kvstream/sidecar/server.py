@@ -95,20 +95,18 @@ class _Session:
 
     async def dispatch(self, msg: lp.LocalUnion, tg: anyio.abc.TaskGroup) -> None:
         match msg:
-            case lp.LayerReady():
+            case lp.LayerReady() | lp.Fetch():
+                # The per-layer hot path, no reply: only a bad handle or layer is answered.
+                kind = SendHandle if isinstance(msg, lp.LayerReady) else ReceiveHandle
                 handle = self.handles.get(msg.handle)
-                if isinstance(handle, SendHandle) and 0 <= msg.layer < handle.transfer.num_layers:
-                    handle.layer_ready(msg.layer)
+                if isinstance(handle, kind) and 0 <= msg.layer < handle.transfer.num_layers:
+                    if isinstance(handle, SendHandle):
+                        handle.layer_ready(msg.layer)
+                    else:
+                        handle.fetch(msg.layer)
                 else:
-                    await self.reply_error(0, ConfigError(f"no send handle {msg.handle} with "
-                                                          f"layer {msg.layer}"))
-            case lp.Fetch():
-                handle = self.handles.get(msg.handle)
-                if isinstance(handle, ReceiveHandle) and 0 <= msg.layer < handle.transfer.num_layers:
-                    handle.fetch(msg.layer)
-                else:
-                    await self.reply_error(0, ConfigError(f"no receive handle {msg.handle} with "
-                                                          f"layer {msg.layer}"))
+                    await self.reply_error(0, ConfigError(
+                        f"no {kind.__name__} {msg.handle} with layer {msg.layer}"))
             case lp.Offer():
                 try:
                     sent = self.agent.offer(msg.request_id, msg.src_blocks, mode=msg.mode,
