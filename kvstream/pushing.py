@@ -1,0 +1,143 @@
+"""Push transfers, the prefill side: offer the manifest, then stream on acceptance.
+
+A mixin of ``Agent``, one job: validate a push here, offer it to the destination (retrying
+while it answers "busy"), map its answer (accept, skip list, reject) and start the stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import stamina
+
+from kvstream._exceptions import (
+    ConfigError,
+    IncompatiblePeerError,
+    InvalidBlockError,
+    KVStreamError,
+    ProtocolError,
+    TransferError,
+)
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.memory import is_run
+from kvstream.handles import SendHandle
+from kvstream.pulling import _hashes, check_skip, shrink, without
+from kvstream.streams import SendStream
+from kvstream.transfer import Side, Transfer, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.agent import Agent
+
+__all__ = ["Pushing"]
+
+_REJECT_ERRORS: dict[str, type[KVStreamError]] = {
+    "incompatible": IncompatiblePeerError,
+    "invalid_blocks": InvalidBlockError,
+    "malformed": ProtocolError,
+}
+
+
+class _Busy(Exception):
+    """A destination's "busy" answer, retried with backoff (internal)."""
+
+
+class Pushing:
+    async def push(
+        self: Agent, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
+        dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+        timeout: float | None = None, block_hashes: Sequence[int] | None = None,
+    ) -> SendHandle:
+        """Offer ``request_id``'s KV to ``dst_instance``; returns once it accepted.
+
+        ``mode="pipelined"`` sends layer L as soon as ``handle.layer_ready(L)``;
+        ``"eager"`` waits for every layer. With ``block_hashes`` (prefix-chain hashes of
+        the first blocks) the destination skips blocks it already holds. Raises
+        ``NoPeerError`` (nobody answers), ``InvalidBlockError`` (ids outside memory, here or there),
+        ``IncompatiblePeerError`` (other layout) before any byte moves.
+        """
+        mem = self._mem()
+        if mode not in ("pipelined", "eager"):
+            raise ConfigError(f"mode must be 'pipelined' or 'eager', got {mode!r}")
+        Subjects.check_instance_id(dst_instance)
+        blocks = mem.block_map(src_blocks, what="source block")
+        if dst_blocks is not None and len(dst_blocks) != len(blocks):
+            raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"
+                                    " blocks", block_ids=list(dst_blocks))
+        hashes = _hashes(block_hashes, len(blocks))
+        self._check_capacity()
+        transfer = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
+                            peer=dst_instance, num_layers=mem.layout.num_layers,
+                            layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+        transfer.deadline_s = timeout
+        handle = SendHandle(transfer, lambda reason: self._abort(transfer, reason),
+                            eager=mode == "eager", blocks=blocks)
+        src_tag = wire.next_xfer_tag()
+        manifest = m.Manifest(
+            transfer_id=transfer.transfer_id, request_id=request_id, src=self.instance_id,
+            dst=dst_instance, src_address=self.worker_address, src_tag=src_tag,
+            fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+            src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []), mode=mode,
+            payload_bytes=transfer.layer_bytes * transfer.num_layers,
+            deadline_s=timeout or self.config.transfer_timeout_s, block_hashes=hashes,
+        )
+        try:
+            reply = await self._offer(manifest, dst_instance)
+        except KVStreamError as exc:
+            self._fail_unstarted(transfer, exc)
+            raise
+        if isinstance(reply, m.Reject):
+            exc = _REJECT_ERRORS.get(reply.code, TransferError)(
+                f"{dst_instance} refused transfer for {request_id!r}: {reply.reason}")
+            self._fail_unstarted(transfer, exc)
+            raise exc
+        if not isinstance(reply, m.Accept) or reply.transfer_id != transfer.transfer_id:
+            exc = ProtocolError(f"unexpected answer to a manifest: {type(reply).__name__}")
+            self._fail_unstarted(transfer, exc)
+            raise exc
+        self.registry.contact(dst_instance)
+        try:
+            check_skip(reply.skip, len(blocks))
+        except ProtocolError as exc:
+            await self._request_abort(dst_instance, transfer.transfer_id, str(exc))
+            self._fail_unstarted(transfer, exc)
+            raise
+        if reply.skip:
+            handle.blocks = blocks.without(reply.skip)
+            shrink(transfer, mem, len(blocks), len(handle.blocks))
+            self._count("bytes_skipped", transfer.bytes_skipped)
+            if not handle.blocks:
+                self._complete_empty(transfer)
+                return handle
+        stream = SendStream(self._env(), handle, peer_address=reply.dst_address,
+                            src_tag=src_tag, dst_tag=reply.dst_tag,
+                            dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)))
+        self._run_stream(transfer.transfer_id, stream)
+        return handle
+
+    async def _offer(self: Agent, manifest: m.Manifest, dst: str) -> m.ControlUnion:
+        """Send the manifest; while the destination answers "busy" (no reservation yet and a
+        full staging pool) back off and retry, for at most ``staging_wait_s``."""
+        reply: m.ControlUnion | None = None
+        try:
+            async for attempt in stamina.retry_context(
+                    on=_Busy, attempts=None, timeout=self.config.staging_wait_s,
+                    wait_initial=0.01, wait_max=0.25, wait_jitter=0.01):
+                with attempt:
+                    reply = await self._bus_().request(
+                        self.subjects.control(dst), manifest,
+                        timeout=self.config.request_timeout_s, peer=dst)
+                    if isinstance(reply, m.Reject) and reply.code == "busy":
+                        raise _Busy(reply.reason)
+        except _Busy as exc:
+            raise TransferError(f"{dst} stayed busy for {self.config.staging_wait_s}s: {exc}",
+                                request_id=manifest.request_id, peer=dst) from None
+        assert reply is not None
+        return reply
+
+    def _fail_unstarted(self: Agent, transfer: Transfer, exc: Exception) -> None:
+        if transfer.finish(TransferState.FAILED, str(exc)):
+            self._count("failed", 1)
