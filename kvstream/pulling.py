@@ -46,11 +46,18 @@ if TYPE_CHECKING:
     from kvstream.agent import Agent
     from kvstream.dataplane.memory import RegisteredKV
 
-__all__ = ["Pulling", "RemoteLease", "check_skip", "without"]
+__all__ = ["REJECT_ERRORS", "Pulling", "RemoteLease", "check_skip", "without"]
 
 log = logging.getLogger("kvstream.agent")
 
 PULL_MODES = ("eager", "lazy")
+
+# What a peer's Reject code means to the engine (push and pull alike).
+REJECT_ERRORS: dict[str, type[KVStreamError]] = {
+    "incompatible": IncompatiblePeerError,
+    "invalid_blocks": InvalidBlockError,
+    "malformed": ProtocolError,
+}
 
 
 def without(ids: Sequence[int], skip: Sequence[int]) -> list[int]:
@@ -356,8 +363,7 @@ class Pulling:
                                               request_id=request_id)
             raise
         if isinstance(reply, m.Reject):
-            kind = {"incompatible": IncompatiblePeerError, "invalid_blocks": InvalidBlockError,
-                    "malformed": ProtocolError}.get(reply.code, TransferError)
+            kind = REJECT_ERRORS.get(reply.code, TransferError)
             raise kind(f"{src_instance} refused the pull of {request_id!r}: {reply.reason}")
         try:
             if not isinstance(reply, m.Manifest) or reply.request_id != request_id \

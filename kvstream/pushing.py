@@ -14,7 +14,6 @@ import stamina
 
 from kvstream._exceptions import (
     ConfigError,
-    IncompatiblePeerError,
     InvalidBlockError,
     KVStreamError,
     ProtocolError,
@@ -25,7 +24,7 @@ from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.memory import is_run
 from kvstream.handles import SendHandle
-from kvstream.pulling import _hashes, check_skip, shrink, without
+from kvstream.pulling import REJECT_ERRORS, _hashes, check_skip, shrink, without
 from kvstream.streams import SendStream
 from kvstream.transfer import Side, Transfer, TransferState
 
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
     from kvstream.agent import Agent
 
 __all__ = ["Pushing"]
-
-_REJECT_ERRORS: dict[str, type[KVStreamError]] = {
-    "incompatible": IncompatiblePeerError,
-    "invalid_blocks": InvalidBlockError,
-    "malformed": ProtocolError,
-}
-
 
 class _Busy(Exception):
     """A destination's "busy" answer, retried with backoff (internal)."""
@@ -90,7 +82,7 @@ class Pushing:
             self._fail_unstarted(transfer, exc)
             raise
         if isinstance(reply, m.Reject):
-            exc = _REJECT_ERRORS.get(reply.code, TransferError)(
+            exc = REJECT_ERRORS.get(reply.code, TransferError)(
                 f"{dst_instance} refused transfer for {request_id!r}: {reply.reason}")
             self._fail_unstarted(transfer, exc)
             raise exc
