@@ -19,6 +19,7 @@ from kvstream.dataplane.memory import is_run
 from kvstream.handles import ReceiveHandle
 from kvstream.prefix import skipped_indices
 from kvstream.pulling import shrink, without
+from kvstream.quant.scheme import wire_layer_bytes
 from kvstream.streams import RecvStream, single_message_for
 from kvstream.transfer import Side, Transfer
 
@@ -41,10 +42,12 @@ class Admission:
         mem = self.memory
         if mem is None:
             return reject("no_reservation", f"{self.instance_id} has no registered KV memory")
-        if (why := mem.layout_mismatch(msg.fingerprint, msg.num_layers)) is not None:
+        if msg.codec not in self.config.accept_codecs:
+            return reject("incompatible", f"codec {msg.codec!r} is not accepted here "
+                          f"(AgentConfig.accept_codecs: {', '.join(self.config.accept_codecs)})")
+        if (why := mem.layout_mismatch(msg.fingerprint, msg.num_layers, msg.codec,
+                                       msg.cache_scales)) is not None:
             return reject("incompatible", why)
-        if msg.codec != "none":
-            return reject("incompatible", f"codec {msg.codec!r} is not supported here")
         if msg.transfer_id in self._streams:
             return reject("duplicate", f"transfer {msg.transfer_id} is already running")
         if msg.request_id in self._unclaimed:
@@ -67,8 +70,8 @@ class Admission:
             # No reservation yet: hold the whole push in staging until the engine claims it
             # with expect(), or refuse at once when the bounded pool has no room (the sender
             # backs off and retries for staging_wait_s).
-            single = single_message_for(mem, is_run(msg.src_blocks), dst_contiguous=False)
-            layer_bytes = mem.planes * mem.plane_bytes(len(msg.src_blocks))
+            single = single_message_for(mem, is_run(msg.src_blocks), False, msg.codec)
+            layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
             slots = self.staging.try_acquire_all(
                 [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
             if slots is None:
@@ -77,6 +80,7 @@ class Admission:
             staged = dict(enumerate(slots))
             t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
                          peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes)
+            t.codec = msg.codec
             handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=None)
         else:
             if len(msg.src_blocks) != len(handle.blocks) or (  # type: ignore[arg-type]
@@ -86,7 +90,8 @@ class Admission:
                               f"{msg.request_id!r}")
             del self._reservations[msg.request_id]
             t = handle.transfer
-            t.transfer_id, t.peer = msg.transfer_id, msg.src
+            t.transfer_id, t.peer, t.codec = msg.transfer_id, msg.src, msg.codec
+            t.layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
             t.started_at = time.monotonic()  # the transfer deadline counts from the offer
             full = handle.blocks
             assert full is not None  # a reservation always has its blocks

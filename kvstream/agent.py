@@ -179,11 +179,16 @@ class Agent(Admission, Pushing, Pulling, Liveness):
                 self._tg.cancel_scope.cancel()
 
     # -- memory ----------------------------------------------------------------------
-    def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor]) -> RegisteredKV:
-        """Register the engine's per-layer KV tensors; block ids are checked against them."""
+    def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor], *,
+                    cache_scales: Sequence[float] | None = None) -> RegisteredKV:
+        """Register the engine's per-layer KV tensors; block ids are checked against them.
+
+        ``cache_scales``: an FP8 cache's (k_scale, v_scale) per layer (or one pair); they
+        travel with its blocks and a destination with other scales refuses them.
+        """
         if self.memory is not None:
             raise ConfigError("KV memory is already registered with this agent")
-        self.memory = RegisteredKV(layout, layers)
+        self.memory = RegisteredKV(layout, layers, cache_scales=cache_scales)
         self._layout = layout
         self.staging.device = str(self.memory.device)
         return self.memory

@@ -13,6 +13,7 @@ import click
 import msgspec
 
 from kvstream._exceptions import ConfigError, KVStreamError
+from kvstream.quant.scheme import CODECS
 
 __all__ = ["app", "main"]
 
@@ -204,28 +205,51 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
               help="transfer mode(s) to measure, each reported apart (repeatable)")
 @click.option("--prefix-hit", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="share of the prompt's blocks already at the destination (incremental)")
+@click.option("--codec", "codecs", multiple=True, type=click.Choice(list(CODECS)),
+              help="wire codec(s) to compare with 'none' in the same run, on KV-like data "
+                   "(repeatable)")
+@click.option("--transport", default="",
+              help="UCX transports of the benchmark processes (UCX_TLS), e.g. 'tcp' for a "
+                   "slow link")
+@click.option("--accuracy", is_flag=True,
+              help="report the codec's error (values and attention output) instead of speed")
 @click.option("--nats-url", help="NATS URL (default: an embedded server)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench(
     model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
     tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool, sidecar: bool,
-    modes: tuple[str, ...], prefix_hit: float, nats_url: str | None, as_json: bool,
+    modes: tuple[str, ...], prefix_hit: float, codecs: tuple[str, ...], transport: str,
+    accuracy: bool, nats_url: str | None, as_json: bool,
 ) -> None:
     """Stream a synthetic KV cache between two processes; compare with raw ucxx."""
     from kvstream.bench.runner import run_bench
 
+    if accuracy:
+        _accuracy(next((c for c in codecs if c != "none"), "fp8_e4m3"), dtype, as_json)
+        return
     spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous,
                        prefix_hit)
+    spec = msgspec.structs.replace(spec, transport=transport)
     say = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     result = run_bench(spec, repeat=repeat, layer_compute_ms=layer_compute_ms,
                        nats_url=nats_url, sidecar=sidecar, modes=list(modes) or None,
-                       progress=say)
+                       codecs=list(codecs) or None, progress=say)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(result)))
         return
     from kvstream.bench.report import print_bench
 
     print_bench(result)
+
+
+def _accuracy(codec: str, dtype: str, as_json: bool) -> None:
+    from kvstream.quant.accuracy import format_report, report
+
+    reports = report(codec=codec, dtype=dtype)
+    if as_json:
+        click.echo(json.dumps({"accuracy": msgspec.to_builtins(reports)}))
+    else:
+        click.echo(format_report(reports))
 
 
 @app.command()

@@ -167,10 +167,10 @@ class _LocalClient:
     async def __aexit__(self, *exc: object) -> None:
         return None
 
-    async def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor] | SharedKV
-                          ) -> None:
+    async def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor] | SharedKV,
+                          *, cache_scales: Sequence[float] | None = None) -> None:
         tensors = layers.layers if isinstance(layers, SharedKV) else layers
-        self.agent.register_kv(layout, tensors)
+        self.agent.register_kv(layout, tensors, cache_scales=cache_scales)
 
     async def expect(self, request_id: str, blocks: Sequence[int], *,
                      have: Sequence[int] = ()) -> Any:
@@ -178,9 +178,9 @@ class _LocalClient:
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
-                   block_hashes: Sequence[int] | None = None) -> Any:
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None) -> Any:
         return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks,
-                                     mode=mode, block_hashes=block_hashes)
+                                     mode=mode, block_hashes=block_hashes, codec=codec)
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
@@ -189,9 +189,10 @@ class _LocalClient:
                                 lease_s=lease_s)
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1) -> Any:
+                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+                   codec: str | None = None) -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
-                                     lookahead=lookahead)
+                                     lookahead=lookahead, codec=codec)
 
     async def statistics(self) -> dict[str, int]:
         s = self.agent.statistics()
@@ -346,10 +347,12 @@ class _SidecarClient:
 
     # -- API -----------------------------------------------------------------------------
     async def register_kv(self, layout: KVLayout,
-                          layers: SharedKV | Sequence[torch.Tensor]) -> None:
+                          layers: SharedKV | Sequence[torch.Tensor], *,
+                          cache_scales: Sequence[float] | None = None) -> None:
         """Hand KV to the sidecar: host KV allocated with ``SharedKV`` (the names are then
         unlinked: no leak on a crash), or CUDA tensors (shared through IPC handles; keep
-        them alive while registered)."""
+        them alive while registered). ``cache_scales``: see ``Agent.register_kv``."""
+        scales = list(cache_scales) if cache_scales is not None else None
         if not isinstance(layers, SharedKV):
             if not layers or not all(getattr(t, "is_cuda", False) for t in layers):
                 raise errors.LayoutError("a sidecar needs host KV allocated with "
@@ -357,12 +360,12 @@ class _SidecarClient:
             from kvstream.cuda_ipc import export_cuda
 
             await self.request(lp.RegisterKV(cuda=[export_cuda(t) for t in layers],
-                                             layout=layout))
+                                             layout=layout, cache_scales=scales))
             return
         if layers.spec.layout != layout:
             raise errors.LayoutError("the shared KV was allocated for another layout")
         try:
-            await self.request(lp.RegisterKV(shared=layers.spec))
+            await self.request(lp.RegisterKV(shared=layers.spec, cache_scales=scales))
         finally:
             layers.unlink()
 
@@ -374,11 +377,13 @@ class _SidecarClient:
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
-                   block_hashes: Sequence[int] | None = None) -> RemoteSend:
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None
+                   ) -> RemoteSend:
         return await self.request(  # type: ignore[no-any-return]
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
-                    mode=mode, block_hashes=list(block_hashes or [])),  # type: ignore[arg-type]
+                    mode=mode, block_hashes=list(block_hashes or []),  # type: ignore[arg-type]
+                    codec=codec),
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
@@ -392,12 +397,13 @@ class _SidecarClient:
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1
-                   ) -> RemoteReceive:
+                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+                   codec: str | None = None) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(  # type: ignore[no-any-return]
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
-                    mode=mode, have=list(have), lookahead=lookahead),  # type: ignore[arg-type]
+                    mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
+                    codec=codec),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

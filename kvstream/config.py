@@ -45,6 +45,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Layers in flight per transfer (each staged layer holds one staging buffer).
     max_inflight_layers: int = 8
     max_transfers: int = 1024
+    # Wire codec of push() and pull() unless the call names one ("none": bytes verbatim;
+    # "fp8_e4m3": half the bytes, dequantized here into the engine dtype).
+    codec: str = "none"
+    # Codecs this agent receives (a manifest with another one is refused).
+    accept_codecs: tuple[str, ...] = ("none", "fp8_e4m3")
 
     def __post_init__(self) -> None:
         Subjects.check_instance_id(self.instance_id)
@@ -57,5 +62,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"{name} must be positive")
         if self.peer_timeout_s < 2 * self.heartbeat_s:
             raise ConfigError("peer_timeout_s must be at least two heartbeats")
+        from kvstream.quant.scheme import check_codec
+
+        for codec in (self.codec, *self.accept_codecs):
+            check_codec(codec)
         if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
             raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")

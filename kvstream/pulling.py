@@ -39,6 +39,7 @@ from kvstream.dataplane import wire
 from kvstream.dataplane.memory import is_run
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.prefix import skipped_indices
+from kvstream.quant.scheme import effective_codec, wire_fingerprint, wire_layer_bytes
 from kvstream.streams import RecvStream, SendStream
 from kvstream.transfer import Side, Transfer, TransferState
 
@@ -72,8 +73,9 @@ def check_skip(skip: Sequence[int], nblocks: int) -> None:
 
 
 def shrink(t: Transfer, mem: RegisteredKV, total: int, kept: int) -> None:
-    """Account a transfer for only the blocks that move; the rest counts as skipped."""
-    t.layer_bytes = mem.planes * mem.plane_bytes(kept)
+    """Account a transfer for only the blocks that move (in wire bytes of its codec); the
+    rest counts as skipped (in engine bytes)."""
+    t.layer_bytes = wire_layer_bytes(mem.layout, t.codec, kept)
     t.bytes_skipped = mem.planes * mem.plane_bytes(total - kept) * t.num_layers
 
 
@@ -172,7 +174,13 @@ class Pulling:
         mem = self.memory
         if mem is None:
             return reject("unknown_request", f"{self.instance_id} has no registered KV memory")
-        if (why := mem.layout_mismatch(msg.fingerprint, msg.num_layers)) is not None:
+        try:
+            codec = effective_codec(msg.codec, mem.layout)
+        except ConfigError as exc:
+            return reject("incompatible", str(exc))
+        # Verbatim bytes need the same layout; a codec, the same wire format.
+        theirs = msg.fingerprint if codec == "none" else msg.wire_fingerprint
+        if (why := mem.layout_mismatch(theirs, msg.num_layers, codec)) is not None:
             return reject("incompatible", why)
         try:
             Subjects.check_instance_id(msg.dst)
@@ -192,6 +200,7 @@ class Pulling:
         t.peer = msg.dst
         t.started_at = time.monotonic()  # the transfer deadline counts from the pull
         t.deadline_s = msg.deadline_s
+        t.codec = codec
         handle.blocks = full.without(skip)
         shrink(t, mem, len(full), len(handle.blocks))
         self._count("bytes_skipped", t.bytes_skipped)
@@ -199,11 +208,12 @@ class Pulling:
         manifest = m.Manifest(
             transfer_id=t.transfer_id, request_id=t.request_id, src=self.instance_id,
             dst=msg.dst, src_address=self.worker_address, src_tag=src_tag,
-            fingerprint=mem.layout.fingerprint, num_layers=t.num_layers, src_blocks=full.ids,
-            dst_blocks=list(msg.dst_blocks), mode="eager" if handle.eager else "pipelined",
+            fingerprint=wire_fingerprint(mem.layout, codec), num_layers=t.num_layers,
+            src_blocks=full.ids, dst_blocks=list(msg.dst_blocks),
+            mode="eager" if handle.eager else "pipelined", codec=codec,
             payload_bytes=t.layer_bytes * t.num_layers, deadline_s=msg.deadline_s,
             block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
-            lease_s=handle.lease_s)
+            lease_s=handle.lease_s, cache_scales=mem.cache_scales if codec == "none" else [])
         self.registry.contact(msg.dst)
         if not handle.blocks:
             self._complete_empty(t)
@@ -324,15 +334,18 @@ class Pulling:
 
     async def pull(self: Agent, request_id: str, src_instance: str, dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
-                   timeout: float | None = None) -> ReceiveHandle:
+                   timeout: float | None = None, codec: str | None = None) -> ReceiveHandle:
         """Fetch ``request_id``'s KV offered at ``src_instance`` into ``dst_blocks``.
 
         ``mode="eager"`` fetches every layer now; ``"lazy"`` fetches a layer when the engine
         waits for it (``wait_layer`` / ``fetch``), ``lookahead`` layers ahead. ``have``
-        holds prefix hashes already here: those blocks are not sent. Returns once the
-        source answered; raises ``TransferError`` if it holds nothing for the request.
+        holds prefix hashes already here: those blocks are not sent. ``codec`` (default
+        ``AgentConfig.codec``) asks for a wire codec; a source whose cache is already FP8
+        answers "none" and sends it as it is. Returns once the source answered; raises
+        ``TransferError`` if it holds nothing for the request.
         """
         mem = self._mem()
+        want_codec = effective_codec(codec or self.config.codec, mem.layout)
         if mode not in PULL_MODES:
             raise ConfigError(f"mode must be one of {PULL_MODES}, got {mode!r}")
         Subjects.check_instance_id(src_instance)
@@ -351,7 +364,8 @@ class Pulling:
                        dst_address=self.worker_address, dst_tag=dst_tag,
                        fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
                        dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
-                       deadline_s=deadline),
+                       deadline_s=deadline, codec=want_codec,
+                       wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
                 timeout=self.config.request_timeout_s, peer=src_instance)
         except BaseException as exc:
             # The source may have started sending anyway: stop it (and the offer) rather than
@@ -370,6 +384,11 @@ class Pulling:
                     or not reply.transfer_id or len(reply.src_blocks) != len(blocks):
                 raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
             check_skip(reply.skip, len(blocks))
+            if reply.codec not in (want_codec, "none") or (why := mem.layout_mismatch(
+                    reply.fingerprint, reply.num_layers, reply.codec, reply.cache_scales)):
+                raise IncompatiblePeerError(
+                    f"{src_instance} answered the pull of {request_id!r} with codec "
+                    f"{reply.codec!r}: {why if reply.codec in (want_codec, 'none') else 'not asked for'}")
         except ProtocolError:
             if isinstance(reply, m.Manifest) and reply.transfer_id:
                 await self._request_abort(src_instance, reply.transfer_id, "bad pull answer")
@@ -383,6 +402,7 @@ class Pulling:
         kept = blocks.without(reply.skip)
         t = Transfer(transfer_id=reply.transfer_id, request_id=request_id, side=Side.RECV,
                      peer=src_instance, num_layers=mem.layout.num_layers, layer_bytes=0)
+        t.codec = reply.codec
         shrink(t, mem, len(blocks), len(kept))
         t.deadline_s = deadline
         self._count("bytes_skipped", t.bytes_skipped)

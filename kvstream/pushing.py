@@ -25,6 +25,7 @@ from kvstream.dataplane import wire
 from kvstream.dataplane.memory import is_run
 from kvstream.handles import SendHandle
 from kvstream.pulling import REJECT_ERRORS, _hashes, check_skip, shrink, without
+from kvstream.quant.scheme import effective_codec, wire_fingerprint, wire_layer_bytes
 from kvstream.streams import SendStream
 from kvstream.transfer import Side, Transfer, TransferState
 
@@ -42,12 +43,15 @@ class Pushing:
         self: Agent, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
         dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
         timeout: float | None = None, block_hashes: Sequence[int] | None = None,
+        codec: str | None = None,
     ) -> SendHandle:
         """Offer ``request_id``'s KV to ``dst_instance``; returns once it accepted.
 
         ``mode="pipelined"`` sends layer L as soon as ``handle.layer_ready(L)``;
         ``"eager"`` waits for every layer. With ``block_hashes`` (prefix-chain hashes of
-        the first blocks) the destination skips blocks it already holds. Raises
+        the first blocks) the destination skips blocks it already holds. ``codec``
+        (default ``AgentConfig.codec``) is the wire codec; an FP8 cache always goes as it
+        is, with its scales. Raises
         ``NoPeerError`` (nobody answers), ``InvalidBlockError`` (ids outside memory, here or there),
         ``IncompatiblePeerError`` (other layout) before any byte moves.
         """
@@ -60,21 +64,24 @@ class Pushing:
             raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"
                                     " blocks", block_ids=list(dst_blocks))
         hashes = _hashes(block_hashes, len(blocks))
+        wire_codec = effective_codec(codec or self.config.codec, mem.layout)
         self._check_capacity()
         transfer = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
                             peer=dst_instance, num_layers=mem.layout.num_layers,
-                            layer_bytes=mem.planes * mem.plane_bytes(len(blocks)))
+                            layer_bytes=wire_layer_bytes(mem.layout, wire_codec, len(blocks)))
         transfer.deadline_s = timeout
+        transfer.codec = wire_codec
         handle = SendHandle(transfer, lambda reason: self._abort(transfer, reason),
                             eager=mode == "eager", blocks=blocks)
         src_tag = wire.next_xfer_tag()
         manifest = m.Manifest(
             transfer_id=transfer.transfer_id, request_id=request_id, src=self.instance_id,
             dst=dst_instance, src_address=self.worker_address, src_tag=src_tag,
-            fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+            fingerprint=wire_fingerprint(mem.layout, wire_codec), num_layers=mem.layout.num_layers,
             src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []), mode=mode,
-            payload_bytes=transfer.layer_bytes * transfer.num_layers,
+            codec=wire_codec, payload_bytes=transfer.layer_bytes * transfer.num_layers,
             deadline_s=timeout or self.config.transfer_timeout_s, block_hashes=hashes,
+            cache_scales=mem.cache_scales if wire_codec == "none" else [],
         )
         try:
             reply = await self._offer(manifest, dst_instance)

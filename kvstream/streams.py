@@ -8,6 +8,10 @@ Flow per layer L (receiver-driven, so every send meets a posted receive):
     P: gather L's blocks (or use them in place), send header, send parts
     D: check header, scatter out of staging, mark L landed
 
+With a codec (``Transfer.codec`` != "none") the gather is gather + quantize and the
+scatter dequantize + scatter (``quant.codec.LayerCodec``), both on the copy threads, so
+encoding layer L+1 overlaps sending L and decoding L overlaps receiving L+1.
+
 Ending rules (docs/architecture.md, "ending a transfer"): the receiver never
 releases a buffer with a receive still posted on it. A receive is completed by
 data, or drained with a zero-byte self-send, and draining happens only once the
@@ -31,6 +35,8 @@ from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
 from kvstream.dataplane.memory import run_copy
 from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.quant.codec import make_codec
+from kvstream.quant.scheme import wire_layer_bytes
 from kvstream.transfer import TransferState
 
 if TYPE_CHECKING:
@@ -61,16 +67,16 @@ class StreamEnv:
     peer_alive: Callable[[str], bool]
 
 
-def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool) -> bool:
+def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
+                       codec: str = "none") -> bool:
     """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
     as one message ``[header | payload]`` out of one staging buffer into another (one
     rendezvous instead of one per plane plus a header); otherwise as a header message plus
-    one message per plane, so a contiguous end moves its blocks in place."""
+    one message per plane, so a contiguous end moves its blocks in place. A codec always
+    stages, and its payload (scales, then codes) is one part."""
+    if codec != "none":
+        return memory.device.type == "cpu"
     return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
-
-
-def single_message(env: StreamEnv, src_contiguous: bool, dst_contiguous: bool) -> bool:
-    return single_message_for(env.memory, src_contiguous, dst_contiguous)
 
 
 class _Stream:
@@ -118,8 +124,11 @@ class SendStream(_Stream):
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
-        self.single = single_message(env, handle.blocks.contiguous_start is not None,
-                                     dst_contiguous)
+        t = handle.transfer
+        self.codec = make_codec(env.memory, t.codec)
+        self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, len(handle.blocks))
+        self.single = single_message_for(env.memory, handle.blocks.contiguous_start is not None,
+                                         dst_contiguous, t.codec)
         self.granted = 0
         self._credit_changed = anyio.Event()
         self._credit_recv: PostedRecv | None = None
@@ -152,8 +161,8 @@ class SendStream(_Stream):
                           limiter: anyio.Semaphore) -> None:
         env, t = self.env, self.handle.transfer
         try:
-            nbytes = env.memory.planes * env.memory.plane_bytes(len(self.handle.blocks))
-            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts))
+            nbytes = self.layer_bytes
+            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts), codec=t.codec)
             if self.single:
                 assert slot is not None  # single framing always stages
                 wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
@@ -189,7 +198,8 @@ class SendStream(_Stream):
         env, h, t = self.env, self.handle, self.handle.transfer
         mem, blocks = env.memory, h.blocks
         limiter = anyio.Semaphore(env.config.max_inflight_layers)
-        direct = blocks.contiguous_start is not None
+        direct = blocks.contiguous_start is not None and self.codec is None
+        prefix = wire.HEADER_CAPACITY if self.single else 0
         for layer in range(t.num_layers):
             await h.until_sendable(layer)
             while self.granted <= layer:
@@ -200,12 +210,15 @@ class SendStream(_Stream):
                 if direct:
                     parts = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
                 else:
-                    prefix = wire.HEADER_CAPACITY if self.single else 0
-                    nbytes = prefix + mem.planes * mem.plane_bytes(len(blocks))
-                    slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
-                    view = mem.staging_view(slot[prefix:], len(blocks))
-                    await run_copy(mem.gather, layer, blocks, view)
-                    parts = [view[p] for p in range(mem.planes)]
+                    slot = await env.staging.acquire(prefix + self.layer_bytes,
+                                                     timeout=env.config.transfer_timeout_s)
+                    if self.codec is not None:
+                        await run_copy(self.codec.encode, layer, blocks, slot[prefix:])
+                        parts = [slot[prefix:]]
+                    else:
+                        view = mem.staging_view(slot[prefix:], len(blocks))
+                        await run_copy(mem.gather, layer, blocks, view)
+                        parts = [view[p] for p in range(mem.planes)]
             except BaseException:
                 if slot is not None:
                     env.staging.release(slot)
@@ -268,8 +281,11 @@ class RecvStream(_Stream):
         self.src_tag = src_tag
         self.dst_tag = dst_tag
         self.nblocks = nblocks
+        t = handle.transfer
+        self.codec = make_codec(env.memory, t.codec)
+        self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, nblocks)
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
-        self.single = single_message(env, src_contiguous, dst_run)
+        self.single = single_message_for(env.memory, src_contiguous, dst_run, t.codec)
         self._posted: dict[int, list[PostedRecv]] = {}
         self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
         self.prestaged = staged_slots is not None
@@ -296,6 +312,8 @@ class RecvStream(_Stream):
         if slot is None:
             assert blocks is not None  # only a reserved, contiguous destination is direct
             targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+        elif self.codec is not None:
+            targets = [slot]
         else:
             view = mem.staging_view(slot, self.nblocks)
             targets = [view[p] for p in range(mem.planes)]
@@ -312,8 +330,11 @@ class RecvStream(_Stream):
         slot = self._slots.get(layer)
         if slot is not None:
             prefix = wire.HEADER_CAPACITY if self.single else 0
-            view = env.memory.staging_view(slot[prefix:], self.nblocks)
-            await run_copy(env.memory.scatter, layer, h.blocks, view)
+            if self.codec is not None:
+                await run_copy(self.codec.decode, layer, h.blocks, slot[prefix:])
+            else:
+                view = env.memory.staging_view(slot[prefix:], self.nblocks)
+                await run_copy(env.memory.scatter, layer, h.blocks, view)
             env.staging.release(self._slots.pop(layer))
         h.mark_layer(layer)
         if h.transfer.all_layers_done:
@@ -328,11 +349,13 @@ class RecvStream(_Stream):
             if self._outcome is not None:
                 return
             header = wire.decode_header(hdr.data)
-            want = env.memory.planes * env.memory.plane_bytes(self.nblocks)
-            if (header.xfer_tag, header.layer, header.nbytes) != (self.dst_tag, layer, want):
+            want = self.layer_bytes
+            if (header.xfer_tag, header.layer, header.nbytes, header.codec) != \
+                    (self.dst_tag, layer, want, h.transfer.codec):
                 raise ProtocolError(
                     f"layer {layer}: header says tag {header.xfer_tag:#x} layer {header.layer} "
-                    f"{header.nbytes} bytes; expected {self.dst_tag:#x}, {layer}, {want}")
+                    f"{header.nbytes} bytes codec {header.codec}; expected {self.dst_tag:#x}, "
+                    f"{layer}, {want}, {h.transfer.codec}")
             del self._posted[layer]
             env.count("bytes_received", want)
             self.received += 1
@@ -375,14 +398,13 @@ class RecvStream(_Stream):
 
     async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
         env, h, t = self.env, self.handle, self.handle.transfer
-        mem = env.memory
         self._lands = lands
         direct = not self.prestaged and h.blocks is not None and \
-            h.blocks.contiguous_start is not None
+            h.blocks.contiguous_start is not None and self.codec is None
         window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
-        nbytes = mem.planes * mem.plane_bytes(self.nblocks)
+        nbytes = self.layer_bytes
         if self.single:
             nbytes += wire.HEADER_CAPACITY
         credited = 0

@@ -53,6 +53,7 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
     ended_at: float
     bytes_skipped: int = 0  # already at the destination (incremental)
+    codec: str = "none"  # how the bytes travelled; ``bytes`` counts wire bytes
 
     @property
     def seconds(self) -> float:
@@ -84,6 +85,7 @@ class Transfer:
         self.layers_done = [False] * num_layers
         self.done_count = 0
         self.bytes_skipped = 0
+        self.codec = "none"
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
 
@@ -149,4 +151,5 @@ class Transfer:
             started_at=self.started_at,
             ended_at=self.ended_at if self.ended_at is not None else self._clock(),
             bytes_skipped=self.bytes_skipped,
+            codec=self.codec,
         )

@@ -54,6 +54,26 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
             mt.add_row(name, f"{mr.gbps:.2f}",
                        "-" if mr.exposed_ms is None else f"{mr.exposed_ms:.2f}", str(mr.verified))
         console.print(mt)
+    if r.codecs:
+        ct = Table(title=f"wire codecs ({r.transport or 'default'} transport)", show_header=True)
+        for col in ("codec", "whole KV GB/s", "wire GB/s", "wire MiB", "speedup",
+                    f"exposed ms ({r.layer_compute_ms} ms/layer)", "verified"):
+            ct.add_column(col)
+        for name, cr in r.codecs.items():
+            ct.add_row(name, f"{cr.effective_gbps:.2f}", f"{cr.wire_gbps:.2f}",
+                       f"{cr.wire_bytes / 2**20:.1f}", f"{cr.speedup:.2f}x",
+                       "-" if cr.exposed_ms is None else f"{cr.exposed_ms:.2f}", str(cr.verified))
+        console.print(ct)
+    if r.codec_speed is not None:
+        s = r.codec_speed
+        st = Table(title=f"CPU codec, one layer, one thread ({s.backend} kernel)", show_header=True)
+        for col in ("", "kvstream GB/s", "naive torch GB/s", "speedup"):
+            st.add_column(col)
+        st.add_row("quantize", f"{s.quantize_gbps:.2f}", f"{s.naive_quantize_gbps:.2f}",
+                   f"{s.quantize_speedup:.1f}x")
+        st.add_row("dequantize", f"{s.dequantize_gbps:.2f}", f"{s.naive_dequantize_gbps:.2f}",
+                   f"{s.dequantize_speedup:.1f}x")
+        console.print(st)
     console.print(r.layout)
 
 

@@ -24,7 +24,8 @@ from kvstream.bench.synthetic import BenchSpec, pick_blocks
 from kvstream.bench.workers import Cmd, Event, decode_main, prefill_main, sidecar_main
 from kvstream.control.nats_server import EmbeddedNats
 
-__all__ = ["MODES", "BenchResult", "Harness", "KVRun", "ModeResult", "memcpy_gbps", "run_bench"]
+__all__ = ["MODES", "BenchResult", "CodecResult", "CodecSpeed", "Harness", "KVRun", "ModeResult",
+           "codec_speed", "memcpy_gbps", "run_bench"]
 
 # Who starts the transfer and when (DESIGN.md's axes); incremental is --prefix-hit.
 MODES = ("push-pipelined", "push-eager", "pull-eager", "pull-lazy")
@@ -41,6 +42,7 @@ class KVRun(msgspec.Struct, kw_only=True):
     layer_ready_us: list[float] = []
     wait_layer_us: list[float] = []
     wire_bytes: int = 0
+    codec: str = "none"
 
 
 class ModeResult(msgspec.Struct, kw_only=True):
@@ -51,6 +53,32 @@ class ModeResult(msgspec.Struct, kw_only=True):
     verified: bool
     wire_bytes: int  # per transfer, as the destination counted them
     runs_gbps: list[float]
+
+
+class CodecResult(msgspec.Struct, kw_only=True):
+    """One wire codec in this run, same mode, same KV: how fast the whole KV arrived."""
+
+    seconds: float  # best run: push to last byte in place (engine dtype)
+    effective_gbps: float  # engine bytes of the whole KV over ``seconds``
+    wire_gbps: float
+    wire_bytes: int  # per transfer: codes plus scales
+    speedup: float  # codec "none"'s best seconds over this codec's, this run
+    exposed_ms: float | None  # with --layer-compute-ms: left after the last layer
+    verified: bool  # bit-exact for "none", within the documented bound otherwise
+    runs_s: list[float]
+
+
+class CodecSpeed(msgspec.Struct, kw_only=True):
+    """The CPU codec on one layer, one thread, against the naive torch path, this run.
+    GB/s are engine-dtype bytes (fp16-equivalent for an fp16 cache) per second."""
+
+    backend: str
+    quantize_gbps: float
+    dequantize_gbps: float
+    naive_quantize_gbps: float
+    naive_dequantize_gbps: float
+    quantize_speedup: float
+    dequantize_speedup: float
 
 
 class BenchResult(msgspec.Struct, kw_only=True):
@@ -89,6 +117,11 @@ class BenchResult(msgspec.Struct, kw_only=True):
     prefix_hit: float = 0.0
     wire_bytes: int = 0
     effective_gbps: float | None = None  # whole-cache bytes over the transfer time
+    # --codec: each wire codec (and "none" as the baseline), --transport: UCX_TLS used.
+    codecs: dict[str, CodecResult] = {}
+    codec_speed: CodecSpeed | None = None
+    transport: str = ""
+    accuracy: list[Any] = []  # --accuracy: quant.accuracy.AccuracyReport per data source
 
 
 class Harness:
@@ -207,7 +240,8 @@ class Harness:
                 on_event(evt)
 
     def run_kv(self, *, mode: str = "push-pipelined", compute_ms: float = 0.0,
-               verify: bool = True, on_event: Callable[[Event], None] | None = None) -> KVRun:
+               verify: bool = True, on_event: Callable[[Event], None] | None = None,
+               codec: str = "none") -> KVRun:
         """One transfer in ``mode`` (one of MODES; "pipelined"/"eager" mean push).
 
         Push: timed from the push to the last byte in place; exposed time is what is left
@@ -226,9 +260,11 @@ class Harness:
         rid = f"bench-{r}"
         decode = Cmd(op="kv", run=r, request_id=rid, blocks=self.dst_ids, peer="bench-prefill",
                      src_blocks=self.src_ids, verify=verify, report_layers=on_event is not None,
-                     pull=pull, hit_blocks=self.spec.hit_blocks, compute_ms=compute_ms)
+                     pull=pull, hit_blocks=self.spec.hit_blocks, compute_ms=compute_ms,
+                     codec=codec)
         prefill = Cmd(op="kv", run=r, request_id=rid, peer="bench-decode", blocks=self.src_ids,
-                      mode="pipelined" if pull else when, compute_ms=compute_ms, pull=pull)
+                      mode="pipelined" if pull else when, compute_ms=compute_ms, pull=pull,
+                      codec=codec)
         if pull:
             self._pq_cmd.put(prefill)
             self._wait(self._pq_evt, "offered", run=r)
@@ -248,7 +284,7 @@ class Harness:
                      exposed_ms=exposed * 1e3, verified=d.verified,
                      status=d.status if d.status != "completed" else p.status,
                      reason=d.reason or p.reason, layer_ready_us=p.overhead_us,
-                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes)
+                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes, codec=codec)
 
     def run_raw(self, *, wire: bool = False) -> float:
         self._run += 1
@@ -283,6 +319,51 @@ def memcpy_gbps(spec: BenchSpec, repeat: int = 3) -> float:
     return best
 
 
+def codec_speed(spec: BenchSpec, codec: str = "fp8_e4m3", repeat: int = 3) -> CodecSpeed:
+    """Encode and decode one layer's scattered blocks on one thread: kvstream's CPU path
+    against the naive torch path (``quant.reference``, what PERF.md measured)."""
+    import torch
+
+    from kvstream.bench.synthetic import make_cache
+    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.quant.codec import LayerCodec
+
+    one = BenchSpec(layout=msgspec.structs.replace(spec.layout, num_layers=1), tokens=spec.tokens,
+                    cache_blocks=spec.num_cache_blocks, seed=spec.seed, scattered=spec.scattered,
+                    data="kv")
+    mem = RegisteredKV(one.layout, make_cache(one, fill=True))
+    blocks = mem.block_map(pick_blocks(spec, salt=1))
+    engine_bytes = len(blocks) * one.layout.block_bytes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    speed: dict[str, float] = {}
+    try:
+        backend = ""
+        for kind in ("fast", "naive"):
+            lc = LayerCodec(mem, codec, backend="torch" if kind == "naive" else None)
+            backend = backend or lc.backend.name
+            buf = torch.empty(lc.layer_bytes(len(blocks)), dtype=torch.uint8)
+            for op, fn in (("quantize", lc.encode), ("dequantize", lc.decode)):
+                best = min(_timed(fn, 0, blocks, buf) for _ in range(repeat + 1))
+                speed[f"{kind}_{op}"] = engine_bytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return CodecSpeed(
+        backend=backend,
+        quantize_gbps=round(speed["fast_quantize"], 3),
+        dequantize_gbps=round(speed["fast_dequantize"], 3),
+        naive_quantize_gbps=round(speed["naive_quantize"], 3),
+        naive_dequantize_gbps=round(speed["naive_dequantize"], 3),
+        quantize_speedup=round(speed["fast_quantize"] / speed["naive_quantize"], 2),
+        dequantize_speedup=round(speed["fast_dequantize"] / speed["naive_dequantize"], 2))
+
+
+def _timed(fn: Callable[..., None], *args: Any) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
 def _pct(samples: list[float], q: float) -> float | None:
     if not samples:
         return None
@@ -292,11 +373,17 @@ def _pct(samples: list[float], q: float) -> float | None:
 
 def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | None = None,
               nats_url: str | None = None, raw: bool = True, sidecar: bool = False,
-              modes: list[str] | None = None,
+              modes: list[str] | None = None, codecs: list[str] | None = None,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """``modes``: transfer modes to measure (default: push-pipelined for throughput, and
-    push-pipelined against push-eager for exposed time)."""
+    push-pipelined against push-eager for exposed time). ``codecs``: wire codecs to
+    compare in the first mode, against "none" in the same run, on KV-like data."""
+    from kvstream.quant.scheme import check_codec
+
     say = progress or (lambda _msg: None)
+    extra_codecs = [c for c in dict.fromkeys(codecs or []) if check_codec(c) != "none"]
+    if codecs:
+        spec = msgspec.structs.replace(spec, data="kv")
     for mode in modes or ():
         if mode not in MODES:
             raise KVStreamError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
@@ -305,6 +392,8 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
     runs: dict[str, list[KVRun]] = {m: [] for m in rate_modes}
     exposure: dict[str, list[KVRun]] = {}
     sc_runs: list[KVRun] = []
+    codec_runs: dict[str, list[KVRun]] = {c: [] for c in extra_codecs}
+    codec_exposure: dict[str, list[KVRun]] = {}
     raw_runs: list[float] = []
     wire = 0.0
     with contextlib.ExitStack() as stack:
@@ -314,6 +403,8 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         say("warm-up")
         for mode in rate_modes:
             h.run_kv(mode=mode, verify=False)
+        for codec in extra_codecs:
+            h.run_kv(mode=rate_modes[0], verify=False, codec=codec)
         if hs is not None:
             hs.run_kv(mode=rate_modes[0], verify=False)
         if raw:
@@ -323,6 +414,9 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             for mode in rate_modes:
                 say(f"round {i + 1}/{repeat}: kvstream {mode}")
                 runs[mode].append(h.run_kv(mode=mode))
+            for codec in extra_codecs:
+                say(f"round {i + 1}/{repeat}: kvstream {rate_modes[0]}, codec {codec}")
+                codec_runs[codec].append(h.run_kv(mode=rate_modes[0], codec=codec))
             if hs is not None:
                 say(f"round {i + 1}/{repeat}: kvstream, agents in sidecars")
                 sc_runs.append(hs.run_kv(mode=rate_modes[0]))
@@ -337,9 +431,15 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
                 say(f"exposed time, {mode}, {layer_compute_ms} ms compute per layer")
                 exposure[mode] = [h.run_kv(mode=mode, compute_ms=layer_compute_ms)
                                   for _ in range(repeat)]
+            for codec in extra_codecs:
+                say(f"exposed time, {rate_modes[0]}, codec {codec}")
+                codec_exposure[codec] = [
+                    h.run_kv(mode=rate_modes[0], compute_ms=layer_compute_ms, codec=codec)
+                    for _ in range(repeat)]
         stats = {**h.last_stats, **({f"sidecar_{k}": v for k, v in hs.last_stats.items()}
                                     if hs is not None else {})}
-    every = [r for rs in (*runs.values(), *exposure.values(), sc_runs) for r in rs]
+    every = [r for rs in (*runs.values(), *exposure.values(), sc_runs, *codec_runs.values(),
+                          *codec_exposure.values()) for r in rs]
     exposed = {m: statistics.median(r.exposed_ms for r in rs) for m, rs in exposure.items()}
     first = runs[rate_modes[0]]
     best_kv = max(r.gbps for r in first)
@@ -389,4 +489,28 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         prefix_hit=spec.prefix_hit,
         wire_bytes=best_run.wire_bytes,
         effective_gbps=round(spec.payload_bytes / best_run.seconds / 1e9, 3),
+        codecs=_codec_results(spec, rate_modes[0], runs, exposure, codec_runs, codec_exposure)
+        if codecs else {},
+        codec_speed=codec_speed(spec, extra_codecs[0]) if extra_codecs else None,
+        transport=spec.transport,
     )
+
+
+def _codec_results(spec: BenchSpec, mode: str, runs: dict[str, list[KVRun]],
+                   exposure: dict[str, list[KVRun]], codec_runs: dict[str, list[KVRun]],
+                   codec_exposure: dict[str, list[KVRun]]) -> dict[str, CodecResult]:
+    """Each codec against "none" (the same mode's verbatim runs of this run)."""
+    out = {}
+    base = min(r.seconds for r in runs[mode])
+    for codec, rs in {"none": runs[mode], **codec_runs}.items():
+        exp = exposure.get(mode, []) if codec == "none" else codec_exposure.get(codec, [])
+        best = min(rs, key=lambda r: r.seconds)
+        out[codec] = CodecResult(
+            seconds=round(best.seconds, 4),
+            effective_gbps=round(spec.payload_bytes / best.seconds / 1e9, 3),
+            wire_gbps=round(best.wire_bytes / best.seconds / 1e9, 3),
+            wire_bytes=best.wire_bytes, speedup=round(base / best.seconds, 3),
+            exposed_ms=round(statistics.median(r.exposed_ms for r in exp), 2) if exp else None,
+            verified=all(r.verified and r.status == "completed" for r in (*rs, *exp)),
+            runs_s=[round(r.seconds, 4) for r in rs])
+    return out

@@ -1,4 +1,10 @@
-"""Synthetic KV caches whose every 8 bytes are distinct, so misplaced bytes cannot pass."""
+"""Synthetic KV caches.
+
+``pattern`` data makes every 8 bytes distinct, so a misplaced byte cannot pass the
+bit-exact check. A lossy codec needs values instead of bit patterns: ``kv`` data is
+normal with a few outlier channels per head (as real K caches have), checked against
+the codec's error bound.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     progress_mode: str = "thread"
     namespace: str = "bench"
     prefix_hit: float = 0.0  # share of the prompt's blocks already at the destination
+    data: str = "pattern"  # "pattern" (bit-exact check) or "kv" (values; codec runs)
+    transport: str = ""  # UCX_TLS of the benchmark processes ("tcp": a slow link)
 
     @property
     def block_hashes(self) -> list[int]:
@@ -51,10 +59,16 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.blocks * self.layout.block_bytes * self.layout.num_layers
 
 
-def fill_layer(t: torch.Tensor, layer: int) -> None:
-    """Write the layer's pattern: int64 counters, offset by layer."""
+def fill_layer(t: torch.Tensor, layer: int, data: str = "pattern", seed: int = 0) -> None:
+    """Write the layer's data: int64 counters offset by layer, or KV-like values."""
     import torch
 
+    if data == "kv":
+        gen = torch.Generator().manual_seed(seed * 1000 + layer)
+        x = torch.randn(t.shape, generator=gen)
+        x[..., :4] *= 30.0  # outlier channels
+        t.copy_(x)
+        return
     flat = t.view(torch.uint8).view(torch.int64).view(-1)
     n = flat.numel()
     torch.arange(layer * n, (layer + 1) * n, dtype=torch.int64, out=flat)
@@ -68,7 +82,7 @@ def make_cache(spec: BenchSpec, *, fill: bool) -> list[torch.Tensor]:
     layers = [torch.empty(shape, dtype=getattr(torch, lay.dtype)) for _ in range(lay.num_layers)]
     for i, t in enumerate(layers):
         if fill:
-            fill_layer(t, i)
+            fill_layer(t, i, spec.data, spec.seed)
         else:
             t.view(torch.uint8).zero_()  # touch every page before timing
     return layers

@@ -8,6 +8,7 @@ harness's own wiring; kvstream traffic goes over NATS and UCX).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +33,7 @@ class Cmd(msgspec.Struct, kw_only=True):
     pull: str = ""  # "" (push) | eager | lazy
     hit_blocks: int = 0  # the first blocks are already at the destination (incremental)
     compute_ms: float = 0.0
+    codec: str = "none"
     wire: bool = False
     verify: bool = True
     report_layers: bool = False
@@ -83,22 +85,41 @@ def _sender_layers(spec: BenchSpec, mem: Any, src_ids: list[int]) -> Any:
     ref = RegisteredKV(spec.layout, [expect_layer] * spec.layout.num_layers)
     want = torch.empty(mem.planes * mem.plane_bytes(len(src_ids)), dtype=torch.uint8)
     for layer in range(spec.layout.num_layers):
-        fill_layer(expect_layer, layer)
+        fill_layer(expect_layer, layer, spec.data, spec.seed)
         ref.gather(layer, src_map, ref.staging_view(want, len(src_ids)))
         yield layer, ref.staging_view(want, len(src_ids))
 
 
-def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int]) -> bool:
-    """Compare every destination block with the sender's pattern, regenerated here."""
+def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
+            codec: str = "none") -> bool:
+    """Compare every destination block with the sender's data, regenerated here: bit for
+    bit, or within the codec's documented error bound."""
     import torch
 
+    from kvstream.quant import reference
+    from kvstream.quant.scheme import scale_groups
+
+    lay = spec.layout
     dst_map = mem.block_map(dst_ids)
     got = torch.empty(mem.planes * mem.plane_bytes(len(dst_ids)), dtype=torch.uint8)
     for layer, want in _sender_layers(spec, mem, src_ids):
         mem.gather(layer, dst_map, mem.staging_view(got, len(dst_ids)))
-        if not torch.equal(got.view(want.dtype).view(want.shape), want):
+        if codec == "none":
+            if not torch.equal(got.view(want.dtype).view(want.shape), want):
+                return False
+            continue
+        shape = (lay.chunks_per_block, len(dst_ids), *scale_groups(lay))
+        dtype = getattr(torch, lay.dtype)
+        if not reference.within_bound(want.contiguous().view(torch.uint8).view(dtype).view(shape),
+                                      got.view(dtype).view(shape)):
             return False
     return True
+
+
+def _use_transport(spec: BenchSpec) -> None:
+    """Restrict UCX to ``spec.transport`` in this process (read when its context starts)."""
+    if spec.transport:
+        os.environ["UCX_TLS"] = spec.transport
 
 
 def _prepare(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
@@ -140,7 +161,7 @@ async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_
         shared = SharedKV.create(spec.layout, spec.num_cache_blocks)
         for i, t in enumerate(shared.layers):
             if role == "prefill":
-                fill_layer(t, i)
+                fill_layer(t, i, spec.data, spec.seed)
             else:
                 t.view(torch.uint8).zero_()  # touch every page before timing, as make_cache does
         async with Client.connect(target[5:]) as client:
@@ -176,6 +197,7 @@ def _us_since(t: int) -> float:
 
 def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+    _use_transport(spec)
 
     async def handle_cmd(side: _Side, cmd: Cmd) -> Event:
         from kvstream.bench.raw import raw_receive
@@ -195,7 +217,7 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         t0, waited = time.monotonic(), 0.0
         if cmd.pull:
             handle = await side.client.pull(cmd.request_id, cmd.peer, cmd.blocks,
-                                            mode=cmd.pull, have=have)
+                                            mode=cmd.pull, have=have, codec=cmd.codec)
             if cmd.pull == "lazy":  # the decode forward: each layer's KV just before it
                 for layer in range(spec.layout.num_layers):
                     t = time.monotonic()
@@ -226,7 +248,7 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         verified = False
         if result.ok and cmd.verify:
             verified = await anyio.to_thread.run_sync(
-                _verify, spec, side.memory, cmd.src_blocks, cmd.blocks)
+                _verify, spec, side.memory, cmd.src_blocks, cmd.blocks, result.codec)
         stats = await side.client.statistics()
         return Event(kind="done", run=cmd.run, t=result.ended_at, t0=t0, status=result.status,
                      reason=result.reason, verified=verified, stats=stats, overhead_us=wait_us,
@@ -237,6 +259,7 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
 
 def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+    _use_transport(spec)
 
     async def handle_cmd(side: _Side, cmd: Cmd) -> Event:
         from kvstream.bench.raw import raw_send
@@ -252,7 +275,7 @@ def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None
                                              block_hashes=hashes)
         else:
             handle = await side.client.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode,
-                                            block_hashes=hashes)
+                                            block_hashes=hashes, codec=cmd.codec)
         ready_us = []
         last_ready = 0.0
         for layer in range(spec.layout.num_layers):
@@ -277,5 +300,6 @@ def sidecar_main(spec_bytes: bytes, role: str, socket_path: str, nats_url: str) 
     from kvstream.sidecar.server import Sidecar
 
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+    _use_transport(spec)
     config = _config(f"bench-{role}", nats_url, role, spec)
     anyio.run(Sidecar(config, socket_path).serve)

@@ -9,7 +9,9 @@ Evolution rules (msgspec's schema-evolution guidance):
 History:
   1 - first release: announce/leave, manifest/accept/reject, done, abort/abort-ack;
       then, compatibly (new tags, new defaulted fields): pull, renew/renew-ack, block
-      hashes and skipped blocks (incremental), the "expired" status.
+      hashes and skipped blocks (incremental), the "expired" status; the codec of a
+      pull (``Pull.codec``, ``Pull.wire_fingerprint``) and an FP8 cache's own scales
+      (``Manifest.cache_scales``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class Manifest(ControlMessage, tag="kv.manifest"):
     skip: list[int] = []
     skipped_bytes: int = 0
     lease_s: float = 0.0
+    # An engine's own FP8 cache moves verbatim (codec "none") with its per-layer K/V
+    # scales; the destination refuses it unless its own scales are the same.
+    cache_scales: list[float] = []
 
 
 class Accept(ControlMessage, tag="kv.accept"):
@@ -136,6 +141,10 @@ class Pull(ControlMessage, tag="kv.pull"):
     have: list[int] = []  # prefix hashes the destination already holds
     mode: PullMode = "eager"
     deadline_s: float = 30.0
+    # The codec the destination asks for and its compatibility hash for it
+    # (``quant.scheme.wire_fingerprint``); the source may answer "none" (an FP8 cache).
+    codec: str = "none"
+    wire_fingerprint: str = ""
 
 
 class Renew(ControlMessage, tag="kv.renew"):

@@ -69,6 +69,23 @@ async def run_copy(fn: Callable[..., None], *args: Any) -> None:
         await future
 
 
+def _check_scales(layout: KVLayout, scales: Sequence[float] | None) -> list[float]:
+    """An FP8 cache's (k_scale, v_scale) per layer, or one pair for all layers."""
+    from kvstream.quant.scheme import FP8_DTYPES
+
+    if scales is None:
+        return []
+    values = [float(x) for x in scales]
+    if layout.dtype not in FP8_DTYPES:
+        raise LayoutError(f"cache_scales belong to an FP8 cache, not {layout.dtype}")
+    if len(values) == 2:
+        values = values * layout.num_layers
+    if len(values) != 2 * layout.num_layers or not all(0 < x < float("inf") for x in values):
+        raise LayoutError(f"cache_scales: one positive (k, v) pair per layer "
+                          f"({2 * layout.num_layers} values) or one pair for all")
+    return values
+
+
 class BlockMap:
     """Validated block ids of one side of a transfer, with the index tensor prepared once."""
 
@@ -93,7 +110,8 @@ class BlockMap:
 class RegisteredKV:
     """An engine's KV cache tensors (one per layer), validated once at registration."""
 
-    def __init__(self, layout: KVLayout, layers: Sequence[torch.Tensor]) -> None:
+    def __init__(self, layout: KVLayout, layers: Sequence[torch.Tensor], *,
+                 cache_scales: Sequence[float] | None = None) -> None:
         import torch
 
         if len(layers) != layout.num_layers:
@@ -115,6 +133,7 @@ class RegisteredKV:
             if t.device != first.device:
                 raise LayoutError(f"layer {i}: on {t.device}, layer 0 on {first.device}")
         self.layout = layout
+        self.cache_scales = _check_scales(layout, cache_scales)
         self.layers = list(layers)
         self.num_blocks = num_blocks
         self.device = first.device
@@ -134,12 +153,24 @@ class RegisteredKV:
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes * self.layout.num_layers
 
-    def layout_mismatch(self, fingerprint: str, num_layers: int) -> str | None:
-        """Why a peer's KV cannot land here (None: it can)."""
-        if fingerprint == self.layout.fingerprint and num_layers == self.layout.num_layers:
-            return None
-        return (f"layout fingerprint {fingerprint} != {self.layout.fingerprint} "
-                f"({self.layout.describe()})")
+    def layout_mismatch(self, fingerprint: str, num_layers: int, codec: str = "none",
+                        cache_scales: Sequence[float] | None = None) -> str | None:
+        """Why a peer's KV, sent with ``codec``, cannot land here (None: it can).
+        ``cache_scales``: the peer's FP8 cache scales, checked when given."""
+        from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint
+
+        if codec not in CODECS:
+            return f"unknown codec {codec!r} (this side knows {', '.join(CODECS)})"
+        if codec != "none" and self.layout.dtype not in CODEC_DTYPES:
+            return f"codec {codec} cannot land in this {self.layout.dtype} cache"
+        mine = wire_fingerprint(self.layout, codec)
+        if fingerprint != mine or num_layers != self.layout.num_layers:
+            return (f"{'layout' if codec == 'none' else codec} fingerprint {fingerprint} != "
+                    f"{mine} ({self.layout.describe()})")
+        if codec == "none" and cache_scales is not None and list(cache_scales) != self.cache_scales:
+            return (f"FP8 cache scales differ: the peer's {list(cache_scales)[:4]}..., "
+                    f"this cache's {self.cache_scales[:4]}...; the bytes would mean other values")
+        return None
 
     def block_map(self, ids: Sequence[int], *, what: str = "block") -> BlockMap:
         """Validate ids against this memory; raises ``InvalidBlockError`` naming the bad ones."""

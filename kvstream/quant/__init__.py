@@ -1,1 +1,10 @@
-"""FP8 and other wire codecs (see issue 5)."""
+"""Wire codecs: what a transfer's bytes look like on the wire (``none`` or ``fp8_e4m3``).
+
+``scheme`` says what goes on the wire, ``reference`` is the torch reference every kernel
+matches bit for bit, ``codec`` runs a layer through the best backend available (CUDA
+kernels, the CPU kernel, or the reference), ``accuracy`` measures what a codec costs.
+"""
+
+from kvstream.quant.scheme import CODECS, error_bound, wire_fingerprint, wire_layer_bytes
+
+__all__ = ["CODECS", "error_bound", "wire_fingerprint", "wire_layer_bytes"]

@@ -62,6 +62,7 @@ class RegisterKV(LocalMessage, tag="register_kv"):
     shared: SharedKVSpec | None = None
     cuda: list[CudaTensorHandle] = []
     layout: KVLayout | None = None
+    cache_scales: list[float] | None = None  # an FP8 cache's (k, v) scales
 
 
 class Expect(LocalMessage, tag="expect"):
@@ -77,6 +78,7 @@ class Push(LocalMessage, tag="push"):
     dst_blocks: list[int] | None = None
     mode: Literal["pipelined", "eager"] = "pipelined"
     block_hashes: list[int] = []
+    codec: str | None = None
 
 
 class Offer(LocalMessage, tag="offer"):
@@ -94,6 +96,7 @@ class Pull(LocalMessage, tag="pull"):
     mode: Literal["eager", "lazy"] = "eager"
     have: list[int] = []
     lookahead: int = 1
+    codec: str | None = None
 
 
 class Fetch(LocalMessage, tag="fetch"):

@@ -164,7 +164,7 @@ class _Session:
             if msg.shared is not None:
                 shared = SharedKV.attach(msg.shared)
                 try:
-                    self.agent.register_kv(layout, shared.layers)
+                    self.agent.register_kv(layout, shared.layers, cache_scales=msg.cache_scales)
                 except KVStreamError:
                     shared.close()
                     raise
@@ -172,7 +172,8 @@ class _Session:
             else:
                 from kvstream.cuda_ipc import import_cuda
 
-                self.agent.register_kv(layout, [import_cuda(h) for h in msg.cuda])
+                self.agent.register_kv(layout, [import_cuda(h) for h in msg.cuda],
+                                       cache_scales=msg.cache_scales)
                 self.cuda = True
         except KVStreamError as exc:
             await self.reply_error(msg.id, exc)
@@ -182,12 +183,12 @@ class _Session:
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.push(
             msg.request_id, msg.dst, msg.src_blocks, dst_blocks=msg.dst_blocks, mode=msg.mode,
-            block_hashes=msg.block_hashes), self._finished)
+            block_hashes=msg.block_hashes, codec=msg.codec), self._finished)
 
     async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.pull(
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
-            lookahead=msg.lookahead), self._watch_receive)
+            lookahead=msg.lookahead, codec=msg.codec), self._watch_receive)
 
     async def _start(self, rid: int, begin: Any, follow: Any) -> None:
         """Await a transfer's start, answer the engine with its handle, then follow it."""

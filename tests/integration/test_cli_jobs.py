@@ -78,3 +78,32 @@ def test_bench_bad_argument_is_one_line():
     out = _kvstream("bench", "--tokens", "-5")
     assert out.returncode == 2
     assert out.stderr.strip().startswith("kvstream: error:") and "\n" not in out.stderr.strip()
+
+
+def test_bench_fp8_over_tcp_pull(nats_server):
+    """FP8 against verbatim in one run, pulled over UCX's TCP transport."""
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--layer-compute-ms", "2", "--json",
+                    "--codec", "fp8_e4m3", "--transport", "tcp", "--mode", "pull-eager",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True and result["transport"] == "tcp"
+    none, fp8 = result["codecs"]["none"], result["codecs"]["fp8_e4m3"]
+    assert none["wire_bytes"] == result["payload_bytes"]
+    scales = 4 * 2 * 32 * 2 * 4  # layers x K/V x blocks x heads x float32
+    assert fp8["wire_bytes"] == result["payload_bytes"] // 2 + scales
+    assert fp8["verified"] and fp8["exposed_ms"] >= 0 and fp8["speedup"] > 0
+    speed = result["codec_speed"]
+    assert speed["backend"] == "cpu" and speed["quantize_gbps"] > 0
+    assert speed["naive_dequantize_gbps"] > 0
+
+
+def test_bench_accuracy_report():
+    out = _kvstream("bench", "--accuracy", "--codec", "fp8_e4m3", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = json.loads(out.stdout)["accuracy"]
+    fp8 = [r for r in reports if r["codec"] == "fp8_e4m3"]
+    assert {r["source"] for r in fp8} == {"random", "random+outliers", "tiny-llama"}
+    assert all(r["within_bound"] for r in fp8)
+    assert 0.5 < fp8[0]["wire_bytes"] / fp8[0]["raw_bytes"] < 0.51

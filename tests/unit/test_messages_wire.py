@@ -22,6 +22,12 @@ SAMPLES = [
     m.AbortAck(transfer_id="t"),
     m.Pull(request_id="r", src="p", dst="d", dst_address=b"y", dst_tag=9, fingerprint="f",
            num_layers=2, dst_blocks=[3, 4], have=[11], mode="lazy"),
+    m.Pull(request_id="r", src="p", dst="d", dst_address=b"y", dst_tag=9, fingerprint="f",
+           num_layers=2, dst_blocks=[3, 4], codec="fp8_e4m3", wire_fingerprint="w"),
+    m.Manifest(transfer_id="t", request_id="r", src="p", dst="d", src_address=b"x", src_tag=7,
+               fingerprint="w", num_layers=2, src_blocks=[1, 2], codec="fp8_e4m3"),
+    m.Manifest(transfer_id="t", request_id="r", src="p", dst="d", src_address=b"x", src_tag=7,
+               fingerprint="f", num_layers=2, src_blocks=[1, 2], cache_scales=[0.5, 0.25]),
     m.Renew(by="d", request_ids=["r", "s"]),
     m.RenewAck(unknown=["s"], lease_s=30.0),
 ]

@@ -1,0 +1,176 @@
+"""A layer's trip through a codec: engine blocks -> wire buffer -> engine blocks.
+
+``LayerCodec`` is what the streams call in place of gather/scatter when a
+transfer's codec is not "none". One layer on the wire is::
+
+    [ scales: float32 [planes, n, P, R], padded to 64 B | codes: uint8 [planes, n, chunk] ]
+
+so a block's scales always travel in the same message as its codes. Backends,
+best first: the CUDA kernels (cupy, KV on a GPU), the CPU kernel (csrc/fp8_cpu.c),
+the torch reference (anything else; slow).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from kvstream._exceptions import ConfigError, QuantizationError
+from kvstream.quant import reference
+from kvstream.quant.scheme import (
+    CODEC_DTYPES,
+    check_codec,
+    groups_per_chunk,
+    scale_groups,
+    scales_bytes,
+    wire_layer_bytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.dataplane.memory import BlockMap, RegisteredKV
+
+__all__ = ["LayerCodec", "make_codec"]
+
+
+class _Backend(Protocol):
+    name: str
+
+    def encode(self, src: torch.Tensor, blocks: BlockMap, codes: torch.Tensor,
+               scales: torch.Tensor) -> None: ...
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
+               blocks: BlockMap) -> None: ...
+
+
+class _Geometry:
+    def __init__(self, mem: RegisteredKV) -> None:
+        lay = mem.layout
+        self.groups = scale_groups(lay)
+        self.planes = lay.chunks_per_block
+        self.num_blocks = mem.num_blocks
+        self.chunk = lay.chunk_bytes // lay.dtype_bytes
+        self.dtype = lay.dtype
+
+
+class _TorchBackend:
+    """The reference on gathered chunks; works on any device torch does."""
+
+    name = "torch"
+
+    def __init__(self, geo: _Geometry) -> None:
+        self.geo = geo
+
+    def _chunks(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.geo.planes, self.geo.num_blocks, self.geo.chunk)
+
+    def encode(self, src: torch.Tensor, blocks: BlockMap, codes: torch.Tensor,
+               scales: torch.Tensor) -> None:
+        g = self.geo
+        x = self._chunks(src).index_select(1, blocks.index).view(g.planes, len(blocks), *g.groups)
+        q, s = reference.quantize(x)
+        codes.copy_(q.reshape(-1))
+        scales.copy_(s.reshape(-1))
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
+               blocks: BlockMap) -> None:
+        import torch
+
+        g = self.geo
+        if not bool(((scales > 0) & torch.isfinite(scales)).all()):
+            raise QuantizationError("FP8 scales from the peer are not finite and positive")
+        n, (p, _q, r, _s) = len(blocks), g.groups
+        y = reference.dequantize(codes.view(g.planes, n, *g.groups),
+                                 scales.view(g.planes, n, p, r), dst.dtype)
+        self._chunks(dst).index_copy_(1, blocks.index, y.view(g.planes, n, g.chunk))
+
+
+class _CpuBackend:
+    name = "cpu"
+
+    def __init__(self, geo: _Geometry, kernel: object) -> None:
+        from kvstream.quant.cpu import DTYPE_CODES
+
+        self.geo = geo
+        self.k = kernel
+        self.dtype_code = DTYPE_CODES[geo.dtype]
+
+    def encode(self, src: torch.Tensor, blocks: BlockMap, codes: torch.Tensor,
+               scales: torch.Tensor) -> None:
+        g = self.geo
+        bad = self.k.quantize(src.data_ptr(), self.dtype_code, g.num_blocks, g.planes,  # type: ignore[attr-defined]
+                              blocks.index.data_ptr(), len(blocks), *g.groups,
+                              codes.data_ptr(), scales.data_ptr())
+        if bad:
+            raise QuantizationError(f"KV holds inf or NaN in {bad} scale groups: FP8 cannot encode it")
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
+               blocks: BlockMap) -> None:
+        g = self.geo
+        bad = self.k.dequantize(codes.data_ptr(), scales.data_ptr(), len(blocks), g.planes,  # type: ignore[attr-defined]
+                                *g.groups, dst.data_ptr(), self.dtype_code, g.num_blocks,
+                                blocks.index.data_ptr())
+        if bad:
+            raise QuantizationError(f"{bad} FP8 scales from the peer are not finite and positive")
+
+
+def _backend(geo: _Geometry, mem: RegisteredKV, prefer: str | None) -> _Backend:
+    if prefer == "torch":
+        return _TorchBackend(geo)
+    if mem.device.type == "cuda" and prefer in (None, "cuda"):
+        from kvstream.quant import cuda
+
+        kernels = cuda.load()
+        if kernels is not None:
+            return cuda.CudaBackend(geo, kernels)
+    if mem.device.type == "cpu" and prefer in (None, "cpu"):
+        from kvstream.quant import cpu
+
+        kernel = cpu.load()
+        if kernel is not None:
+            return _CpuBackend(geo, kernel)
+    if prefer not in (None, "torch"):
+        raise QuantizationError(f"the {prefer} FP8 backend is not available here")
+    return _TorchBackend(geo)
+
+
+class LayerCodec:
+    """Encodes and decodes whole layers of one registered memory."""
+
+    def __init__(self, mem: RegisteredKV, codec: str, *, backend: str | None = None) -> None:
+        if check_codec(codec) == "none":
+            raise ConfigError("codec 'none' moves bytes verbatim: no LayerCodec")
+        if mem.layout.dtype not in CODEC_DTYPES:
+            raise ConfigError(f"codec {codec} cannot encode a {mem.layout.dtype} cache")
+        self.name = codec
+        self.mem = mem
+        self.geo = _Geometry(mem)
+        self.backend = _backend(self.geo, mem, backend)
+
+    def layer_bytes(self, nblocks: int) -> int:
+        return wire_layer_bytes(self.mem.layout, self.name, nblocks)
+
+    def _split(self, buf: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        lay = self.mem.layout
+        nscales = self.geo.planes * nblocks * groups_per_chunk(lay)
+        head = scales_bytes(lay, nblocks)
+        scales = buf[:nscales * 4].view(torch.float32)
+        codes = buf[head:head + self.geo.planes * nblocks * self.geo.chunk]
+        return codes, scales
+
+    def encode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
+        """Gather + quantize the layer's blocks into ``buf`` (uint8, ``layer_bytes``)."""
+        codes, scales = self._split(buf, len(blocks))
+        self.backend.encode(self.mem.layers[layer], blocks, codes, scales)
+
+    def decode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
+        """Dequantize ``buf`` into the layer's blocks, in the engine dtype."""
+        codes, scales = self._split(buf, len(blocks))
+        self.backend.decode(codes, scales, self.mem.layers[layer], blocks)
+
+
+def make_codec(mem: RegisteredKV, codec: str) -> LayerCodec | None:
+    """None for "none" (the streams move bytes verbatim), else the layer codec."""
+    return None if check_codec(codec) == "none" else LayerCodec(mem, codec)

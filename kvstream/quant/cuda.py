@@ -1,0 +1,160 @@
+"""The CUDA kernels (csrc/fp8.cu): compiled once per process by cupy's NVRTC, launched on
+torch's current stream.
+
+Gather + quantize reads the blocks by id straight out of the engine's layer tensor into the
+wire buffer, and dequantize + scatter writes them straight back: no staging copy and no
+per-step float32 tensors (what makes the torch reference slow). Every call waits for its
+stream before returning, because the caller hands the buffer to UCX right after. Without
+cupy (``pip install kvstream[gpu]``), a CUDA device or the source (an installed wheel has no
+csrc/), ``load()`` returns None and the codec uses the torch reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from kvstream._exceptions import QuantizationError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.dataplane.memory import BlockMap
+    from kvstream.quant.codec import _Geometry
+
+__all__ = ["KERNEL_NAMES", "CudaBackend", "Kernels", "load", "source_path"]
+
+log = logging.getLogger("kvstream.quant")
+
+_SUFFIXES: Final = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+KERNEL_NAMES: Final = tuple(f"kvs_fp8_{op}_{s}" for op in ("quantize", "dequantize")
+                            for s in _SUFFIXES.values())
+# KVS_THREADS in fp8.cu (its __launch_bounds__); a block is whole warps up to this.
+MAX_THREADS: Final = 256
+# Subnormals must survive and no multiply may become an FMA: the torch reference does neither.
+_OPTIONS: Final = ("--ftz=false", "--fmad=false")
+
+_lock = threading.Lock()
+_loaded: Kernels | None = None
+_tried = False
+
+
+def source_path() -> Path:
+    return Path(__file__).resolve().parents[2] / "csrc" / "fp8.cu"
+
+
+class Kernels:
+    """The entry points of fp8.cu by engine dtype (cupy ``RawKernel``s, cached per device)."""
+
+    def __init__(self, module: Any) -> None:
+        self.quantize = {dt: module.get_function(f"kvs_fp8_quantize_{s}") for dt, s in _SUFFIXES.items()}
+        self.dequantize = {dt: module.get_function(f"kvs_fp8_dequantize_{s}")
+                           for dt, s in _SUFFIXES.items()}
+
+
+def _compile() -> Kernels | None:
+    try:
+        import cupy
+    except ImportError:
+        log.info("cupy not installed (pip install kvstream[gpu]): FP8 on the GPU uses the torch path")
+        return None
+    src = source_path()
+    try:
+        import torch
+
+        if not src.exists():
+            raise QuantizationError(f"{src} not found (kvstream installed without csrc/)")
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            # get_function compiles and loads, so a broken kernel fails here and not mid-transfer.
+            return Kernels(cupy.RawModule(code=src.read_text(), options=_OPTIONS))
+    except Exception as exc:  # cupy's compile, NVRTC and driver errors share no base class
+        log.warning("CUDA FP8 kernels unavailable, using the torch path on the GPU: %s", exc)
+        return None
+
+
+def load() -> Kernels | None:
+    """The kernels, compiled once per process (None where cupy or CUDA is missing)."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _loaded = _compile()
+        return _loaded
+
+
+def _same_device(kv: torch.Tensor, *others: torch.Tensor) -> None:
+    # A host pointer handed to a kernel is an illegal address, which kills the CUDA context.
+    for t in others:
+        if t.device != kv.device:
+            raise QuantizationError(f"the CUDA FP8 kernels need every buffer on {kv.device}, "
+                                    f"got one on {t.device}")
+
+
+def _launch(kernel: Any, device: torch.device, grid: int, threads: int, args: tuple[int, ...]) -> None:
+    """Run ``kernel`` on torch's current stream of ``device`` and wait for it."""
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+        kernel((grid,), (threads,), args)
+    stream.synchronize()
+
+
+class CudaBackend:
+    """Fused gather + quantize and dequantize + scatter on the KV's GPU, one CUDA block per
+    scale group; same results as the CPU kernel and the torch reference, bit for bit."""
+
+    name = "cuda"
+
+    def __init__(self, geo: _Geometry, kernels: Kernels) -> None:
+        if geo.dtype not in _SUFFIXES:
+            raise QuantizationError(f"no CUDA FP8 kernel for a {geo.dtype} cache")
+        if geo.chunk >= 2 ** 31:
+            raise QuantizationError(f"chunks of {geo.chunk} elements exceed the CUDA FP8 kernels' "
+                                    "32-bit offsets")
+        self.geo = geo
+        self._quantize = kernels.quantize[geo.dtype]
+        self._dequantize = kernels.dequantize[geo.dtype]
+        _p, q, _r, s = geo.groups
+        # Enough whole warps to give each thread one element of a group, up to MAX_THREADS.
+        self.threads = min(MAX_THREADS, -(-q * s // 32) * 32)
+
+    def encode(self, src: torch.Tensor, blocks: BlockMap, codes: torch.Tensor,
+               scales: torch.Tensor) -> None:
+        import torch
+
+        g, n = self.geo, len(blocks)
+        _same_device(src, codes, scales, blocks.index)
+        if n == 0:  # cupy would launch one block for a grid of 0, reading ids[0]
+            return
+        p, q, r, s = g.groups
+        bad = torch.zeros(1, dtype=torch.int64, device=src.device)
+        _launch(self._quantize, src.device, g.planes * n * p * r, self.threads,
+                (src.data_ptr(), g.num_blocks, blocks.index.data_ptr(), n, p, q, r, s,
+                 codes.data_ptr(), scales.data_ptr(), bad.data_ptr()))
+        nbad = int(bad.item())
+        if nbad:
+            raise QuantizationError(f"KV holds inf or NaN in {nbad} scale groups: FP8 cannot encode it")
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
+               blocks: BlockMap) -> None:
+        import torch
+
+        g, n = self.geo, len(blocks)
+        _same_device(dst, codes, scales, blocks.index)
+        # Scales come off the wire: any that is not finite and positive fails the call before a
+        # byte is written. Tested on the bits as fp8_cpu.c does: as int32, a set sign bit
+        # (negatives, -0.0) or +0.0 is <= 0, and inf and NaN are >= 0x7f800000.
+        bits = scales.view(torch.int32)
+        nbad = int(((bits <= 0) | (bits >= 0x7F800000)).sum())
+        if nbad:
+            raise QuantizationError(f"{nbad} FP8 scales from the peer are not finite and positive")
+        if n == 0:
+            return
+        p, q, r, s = g.groups
+        _launch(self._dequantize, dst.device, g.planes * n * p * r, self.threads,
+                (codes.data_ptr(), scales.data_ptr(), n, p, q, r, s,
+                 dst.data_ptr(), g.num_blocks, blocks.index.data_ptr()))

@@ -1,0 +1,62 @@
+"""The torch reference of fp8_e4m3 (and the "naive" baseline the bench measures against).
+
+Every kernel (csrc/fp8_cpu.c, csrc/fp8.cu) must match these two functions bit for
+bit. They work on chunks already gathered: ``x`` is ``[..., P, Q, R, S]`` in the
+engine dtype, the scales ``[..., P, R]``. Written for clarity, not speed: each
+step round-trips through float32 tensors, which is what makes it slow on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstream._exceptions import QuantizationError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["dequantize", "pow2_scales", "quantize", "within_bound"]
+
+
+def pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1/scale)``: the smallest power of two with amax <= 448 * scale."""
+    import torch
+
+    m, k = torch.frexp(amax)
+    e = (k - 9 + (m > 0.875).to(k.dtype)).clamp(-126, 126).to(torch.int32)
+    scale = ((e + 127) << 23).view(torch.float32)
+    inv = ((127 - e) << 23).view(torch.float32)
+    return scale, inv
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., P, Q, R, S]`` -> ``(codes uint8 like x, scales float32 [..., P, R])``."""
+    import torch
+
+    xf = x.float()
+    amax = xf.abs().amax(dim=(-3, -1))
+    if not bool(torch.isfinite(amax).all()):
+        raise QuantizationError("KV holds inf or NaN: FP8 cannot encode it")
+    scale, inv = pow2_scales(amax)
+    codes = (xf * inv.unsqueeze(-2).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize`` into the engine ``dtype`` (round to nearest even)."""
+    import torch
+
+    xf = codes.view(torch.float8_e4m3fn).float()
+    return (xf * scales.unsqueeze(-2).unsqueeze(-1)).to(dtype)
+
+
+def within_bound(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether decoded ``y`` is within fp8_e4m3's documented bound of the original ``x``
+    (``quant.scheme.error_bound``); both ``[..., P, Q, R, S]``, any float dtype."""
+    from kvstream.quant.scheme import error_bound
+
+    rel, frac = error_bound(str(y.dtype).removeprefix("torch."))
+    xf, yf = x.float(), y.float()
+    gmax = xf.abs().amax(dim=(-3, -1), keepdim=True)
+    tol = rel * xf.abs() + frac * gmax + 2.0 ** -24
+    return bool(((yf - xf).abs() <= tol).all())

@@ -1,0 +1,125 @@
+"""What a codec puts on the wire: names, scale groups, sizes, compatibility, error bound.
+
+``fp8_e4m3`` keeps one scale per (block, K/V, head): a chunk of a layer (one plane
+of one block, see ``dataplane.memory``) is viewed as ``[P, Q, R, S]`` and every
+``(p, r)`` is a scale group reduced over ``(q, s)``. Why this granularity:
+
+* per block, because blocks are what moves and what a prefix cache shares; a
+  block's scales travel in the same message as its bytes, so a block can never
+  land with another block's scales;
+* per head and per K/V, because KV outliers are concentrated in a few heads and
+  channels (K especially): one scale per block would spend the e4m3 range of
+  every head on the worst one;
+* not per token, which would cost 4 bytes per 128 values (3 % more wire) for
+  accuracy the attention output does not need (docs/architecture.md, measured).
+
+Scales are powers of two (the OCP MX formats' choice): scaling is an exact
+multiplication in every implementation, so the CPU kernel, the CUDA kernel and
+the torch reference agree bit for bit, and the error bound is clean. A power of
+two leaves at most one binade of e4m3's 18 unused, at the small end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+from kvstream._exceptions import ConfigError
+from kvstream.layout import KVLayout
+
+__all__ = [
+    "CODECS",
+    "CODEC_DTYPES",
+    "E4M3_MAX",
+    "FP8_DTYPES",
+    "SCALE_LAYOUT",
+    "check_codec",
+    "effective_codec",
+    "error_bound",
+    "scale_groups",
+    "wire_fingerprint",
+    "wire_layer_bytes",
+]
+
+CODECS: Final = ("none", "fp8_e4m3")
+E4M3_MAX: Final = 448.0
+# An engine whose cache already holds one of these sends it as-is (codec "none").
+FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
+# What fp8_e4m3 encodes from and decodes into; anything else moves verbatim.
+CODEC_DTYPES: Final = frozenset({"float16", "bfloat16", "float32"})
+# Names the scale layout in the compatibility hash: change it when the layout changes.
+SCALE_LAYOUT: Final = "pow2-f32/block-plane-head"
+SCALE_BYTES: Final = 4
+ALIGN: Final = 64
+
+
+def check_codec(codec: str) -> str:
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    return codec
+
+
+def effective_codec(requested: str, layout: KVLayout) -> str:
+    """The codec a source actually uses: an FP8 cache (or opaque bytes) goes as it is,
+    never re-quantized."""
+    check_codec(requested)
+    return requested if layout.dtype in CODEC_DTYPES else "none"
+
+
+def scale_groups(layout: KVLayout) -> tuple[int, int, int, int]:
+    """``(P, Q, R, S)`` of one chunk; scale groups are the ``(p, r)`` pairs."""
+    bs, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    return {
+        "flash_nhd": (1, bs, h, d),          # chunk [bs, h, d]: heads strided
+        "flash_hnd": (h, 1, 1, bs * d),      # chunk [h, bs, d]: a head is contiguous
+        "blocks_first_nhd": (2, bs, h, d),   # chunk [2, bs, h, d]: K/V and heads
+        "cpu_hnbc": (h, bs, 2, d),           # chunk [h, bs, 2*d]: K and V halves per head
+        "mla": (1, 1, 1, bs * d),            # one latent "head"
+    }[layout.arrangement]
+
+
+def groups_per_chunk(layout: KVLayout) -> int:
+    p, _q, r, _s = scale_groups(layout)
+    return p * r
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def scales_bytes(layout: KVLayout, nblocks: int) -> int:
+    """The scales' share of one layer's wire bytes, padded so the payload stays aligned."""
+    return _align(layout.chunks_per_block * nblocks * groups_per_chunk(layout) * SCALE_BYTES)
+
+
+def wire_layer_bytes(layout: KVLayout, codec: str, nblocks: int) -> int:
+    """Bytes of one layer of ``nblocks`` blocks on the wire."""
+    if check_codec(codec) == "none":
+        return nblocks * layout.block_bytes
+    elems = nblocks * layout.block_bytes // layout.dtype_bytes
+    return scales_bytes(layout, nblocks) + elems
+
+
+def wire_fingerprint(layout: KVLayout, codec: str) -> str:
+    """The compatibility hash two peers compare. Verbatim bytes need the same layout; an
+    FP8 wire needs the same shape and scale layout but not the same engine dtype (the
+    receiver dequantizes into its own)."""
+    if check_codec(codec) == "none":
+        return layout.fingerprint
+    key = (f"{layout.num_layers}/{layout.num_kv_heads}/{layout.head_dim}/{layout.block_size}"
+           f"/{layout.arrangement}/{codec}/{SCALE_LAYOUT}")
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def error_bound(out_dtype: str) -> tuple[float, float]:
+    """``(rel, abs_of_group_max)``: the documented bound of fp8_e4m3 is
+
+        |decoded - x| <= rel * |x| + abs_of_group_max * max|group| (+ 2^-24 into float16)
+
+    rel = 2^-4 is half an e4m3 ulp (3 mantissa bits); the second term covers values that
+    fall into e4m3's subnormals: half the smallest subnormal (2^-10) times the scale, and
+    the scale is below max|group| / 224, so under 2^-17.8 * max|group|. bfloat16 and
+    float32 hold the decoded value exactly; float16 adds at most 2^-25 in its subnormals.
+    """
+    del out_dtype
+    return 2.0 ** -4, 2.0 ** -17
