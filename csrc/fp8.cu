@@ -97,22 +97,30 @@ __device__ __forceinline__ int scale_exponent(kvs_u32 amax) {
     return e < -126 ? -126 : (e > 126 ? 126 : e);
 }
 
+/* Decode saturates at the destination dtype's largest finite value (a code rounded up near
+ * the top of the range must not become inf); NaN stays NaN, as in fp8_cpu.c. */
+__device__ __forceinline__ float kvs_saturate(float v, float m) {
+    return v > m ? m : (v < -m ? -m : v);
+}
+
 struct KvsF16 {
     typedef unsigned short T;
     static __device__ __forceinline__ float load(const T* p) { return h2f(*p); }
-    static __device__ __forceinline__ void store(T* p, float v) { *p = f2h(v); }
+    static __device__ __forceinline__ void store(T* p, float v) { *p = f2h(kvs_saturate(v, 65504.0f)); }
 };
 
 struct KvsBf16 {
     typedef unsigned short T;
     static __device__ __forceinline__ float load(const T* p) { return u2f((kvs_u32)*p << 16); }
-    static __device__ __forceinline__ void store(T* p, float v) { *p = f2bf(v); }
+    static __device__ __forceinline__ void store(T* p, float v) {
+        *p = f2bf(kvs_saturate(v, u2f(0x7f7f0000u)));
+    }
 };
 
 struct KvsF32 {
     typedef float T;
     static __device__ __forceinline__ float load(const T* p) { return *p; }
-    static __device__ __forceinline__ void store(T* p, float v) { *p = v; }
+    static __device__ __forceinline__ void store(T* p, float v) { *p = kvs_saturate(v, u2f(0x7f7fffffu)); }
 };
 
 /* Max over the block; every thread gets it. blockDim.x must be a multiple of 32. */

@@ -12,7 +12,8 @@
  *     (frexp: absmax = m * 2^k, m in [0.5, 1): e = k - 9 + (m > 0.875)), clamped to
  *     [-126, 126], so scaling and unscaling are exact multiplications;
  *   - q = float8_e4m3fn(x * 2^-e), rounded to nearest even exactly as torch rounds;
- *   - decode: y = engine_dtype(float(q) * scale), round to nearest even.
+ *   - decode: y = engine_dtype(clamp(float(q) * scale, +-max of the dtype)), round to nearest
+ *     even: a code rounded up near the top of the range saturates instead of becoming inf.
  * Output layout: q[(plane * n + j) * chunk + i], scales[((plane * n + j) * P + p) * R + r].
  */
 #include <math.h>
@@ -90,6 +91,15 @@ static inline void store1(void* base, int dtype, int64_t i, float v) {
     else if (dtype == KVS_BF16) ((uint16_t*)base)[i] = f2bf(v);
     else ((float*)base)[i] = v;
 }
+
+/* Largest finite value of the destination dtype (decode saturates there). */
+static inline float dtype_max(int dtype) {
+    if (dtype == KVS_F16) return 65504.0f;
+    if (dtype == KVS_BF16) return u2f(0x7f7f0000u);
+    return u2f(0x7f7fffffu);
+}
+
+static inline float saturate(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
 static inline uint32_t abs_bits1(const void* base, int dtype, int64_t i) {
     if (dtype == KVS_F32) return ((const uint32_t*)base)[i] & 0x7fffffffu;
@@ -235,15 +245,22 @@ static void quantize_rows(const void* base, int dtype, int64_t off, int64_t Q, i
 
 static void dequantize_rows(const uint8_t* in, int64_t Q, int64_t stride, int64_t S, float scale,
                             void* base, int dtype, int64_t off) {
+    const float top = dtype_max(dtype);
     for (int64_t q = 0; q < Q; q++) {
         const uint8_t* x = in + q * stride;
         const int64_t row = off + q * stride;
         int64_t s = 0;
 #if KVS_AVX2
         const __m256 vs = _mm256_set1_ps(scale);
-        for (; s + 8 <= S; s += 8) store8(base, dtype, row + s, _mm256_mul_ps(e4m3_to_f32_8(x + s), vs));
+        const __m256 hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+        for (; s + 8 <= S; s += 8) {
+            __m256 v = _mm256_mul_ps(e4m3_to_f32_8(x + s), vs);
+            v = _mm256_blendv_ps(v, hi, _mm256_cmp_ps(v, hi, _CMP_GT_OQ));  /* NaN stays NaN */
+            v = _mm256_blendv_ps(v, lo, _mm256_cmp_ps(v, lo, _CMP_LT_OQ));
+            store8(base, dtype, row + s, v);
+        }
 #endif
-        for (; s < S; s++) store1(base, dtype, row + s, e4m32f(x[s]) * scale);
+        for (; s < S; s++) store1(base, dtype, row + s, saturate(e4m32f(x[s]) * scale, top));
     }
 }
 

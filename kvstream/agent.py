@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,15 @@ async def _shielded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) 
     with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
         await close()
 
+
+
+def _prepare_codec(mem: RegisteredKV) -> None:
+    from kvstream.quant.codec import prepare
+
+    try:
+        prepare(mem)
+    except Exception as exc:  # the first FP8 transfer reports it properly
+        log.warning("preparing the FP8 kernel failed: %s", exc)
 
 class Agent(Admission, Pushing, Pulling, Liveness):
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
@@ -191,6 +201,10 @@ class Agent(Admission, Pushing, Pulling, Liveness):
         self.memory = RegisteredKV(layout, layers, cache_scales=cache_scales)
         self._layout = layout
         self.staging.device = str(self.memory.device)
+        if self.config.codec != "none" or "fp8_e4m3" in self.config.accept_codecs:
+            # Build the FP8 kernel now, off the event loop, not under the first transfer.
+            threading.Thread(target=_prepare_codec, args=(self.memory,), daemon=True,
+                             name="kvstream-codec-build").start()
         return self.memory
 
     async def unregister_kv(self, reason: str = "KV memory unregistered") -> None:

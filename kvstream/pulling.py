@@ -346,6 +346,9 @@ class Pulling:
         """
         mem = self._mem()
         want_codec = effective_codec(codec or self.config.codec, mem.layout)
+        if want_codec not in self.config.accept_codecs:
+            raise ConfigError(f"codec {want_codec!r} is not in this agent's accept_codecs "
+                              f"({', '.join(self.config.accept_codecs)})")
         if mode not in PULL_MODES:
             raise ConfigError(f"mode must be one of {PULL_MODES}, got {mode!r}")
         Subjects.check_instance_id(src_instance)
@@ -384,7 +387,8 @@ class Pulling:
                     or not reply.transfer_id or len(reply.src_blocks) != len(blocks):
                 raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
             check_skip(reply.skip, len(blocks))
-            if reply.codec not in (want_codec, "none") or (why := mem.layout_mismatch(
+            if reply.codec not in (want_codec, "none") or \
+                    reply.codec not in self.config.accept_codecs or (why := mem.layout_mismatch(
                     reply.fingerprint, reply.num_layers, reply.codec, reply.cache_scales)):
                 raise IncompatiblePeerError(
                     f"{src_instance} answered the pull of {request_id!r} with codec "

@@ -73,9 +73,10 @@ def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguou
     as one message ``[header | payload]`` out of one staging buffer into another (one
     rendezvous instead of one per plane plus a header); otherwise as a header message plus
     one message per plane, so a contiguous end moves its blocks in place. A codec always
-    stages, and its payload (scales, then codes) is one part."""
+    stages on both ends and sends a header plus one part (scales, then codes), whatever
+    each end's device, so a CPU end and a GPU end frame alike."""
     if codec != "none":
-        return memory.device.type == "cpu"
+        return False
     return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
 
 

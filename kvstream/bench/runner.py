@@ -284,7 +284,7 @@ class Harness:
                      exposed_ms=exposed * 1e3, verified=d.verified,
                      status=d.status if d.status != "completed" else p.status,
                      reason=d.reason or p.reason, layer_ready_us=p.overhead_us,
-                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes, codec=codec)
+                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes, codec=d.codec)
 
     def run_raw(self, *, wire: bool = False) -> float:
         self._run += 1
@@ -440,6 +440,10 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
                                     if hs is not None else {})}
     every = [r for rs in (*runs.values(), *exposure.values(), sc_runs, *codec_runs.values(),
                           *codec_exposure.values()) for r in rs]
+    for codec, rs in (*codec_runs.items(), *codec_exposure.items()):
+        if any(r.codec != codec for r in rs if r.status == "completed"):
+            raise KVStreamError(f"asked for codec {codec}, the transfer negotiated "
+                                f"{sorted({r.codec for r in rs})}: nothing to compare")
     exposed = {m: statistics.median(r.exposed_ms for r in rs) for m, rs in exposure.items()}
     first = runs[rate_modes[0]]
     best_kv = max(r.gbps for r in first)

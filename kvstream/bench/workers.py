@@ -54,6 +54,7 @@ class Event(msgspec.Struct, kw_only=True):
     overhead_us: list[float] = []  # per-call engine->agent cost (layer_ready / wait_layer)
     waited_s: float = 0.0  # lazy pull: time the decode forward stalled on KV
     wire_bytes: int = 0  # bytes this transfer received over the wire
+    codec: str = "none"  # the codec the transfer was negotiated with
 
 
 def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
@@ -252,7 +253,8 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         stats = await side.client.statistics()
         return Event(kind="done", run=cmd.run, t=result.ended_at, t0=t0, status=result.status,
                      reason=result.reason, verified=verified, stats=stats, overhead_us=wait_us,
-                     waited_s=waited, wire_bytes=stats["bytes_received"] - before)
+                     waited_s=waited, wire_bytes=stats["bytes_received"] - before,
+                     codec=result.codec)
 
     anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)
 

@@ -12,9 +12,11 @@ the torch reference (anything else; slow).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from kvstream._exceptions import ConfigError, QuantizationError
+from kvstream._exceptions import ConfigError, KVStreamError, QuantizationError
 from kvstream.quant import reference
 from kvstream.quant.scheme import (
     CODEC_DTYPES,
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
     from kvstream.dataplane.memory import BlockMap, RegisteredKV
 
-__all__ = ["LayerCodec", "make_codec"]
+__all__ = ["LayerCodec", "make_codec", "prepare"]
 
 
 class _Backend(Protocol):
@@ -145,7 +147,21 @@ class LayerCodec:
         self.name = codec
         self.mem = mem
         self.geo = _Geometry(mem)
-        self.backend = _backend(self.geo, mem, backend)
+        self._prefer = backend
+        self._backend: _Backend | None = None
+
+    @property
+    def backend(self) -> _Backend:
+        """Chosen on first use, on the copy thread that encodes: building the CPU kernel
+        (gcc) or the CUDA one (NVRTC) takes up to seconds and must not stall the event
+        loop that answers manifests and heartbeats (``prepare`` builds it ahead)."""
+        if self._backend is None:
+            self._backend = _backend(self.geo, self.mem, self._prefer)
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: _Backend) -> None:
+        self._backend = value
 
     def layer_bytes(self, nblocks: int) -> int:
         return wire_layer_bytes(self.mem.layout, self.name, nblocks)
@@ -153,6 +169,9 @@ class LayerCodec:
     def _split(self, buf: torch.Tensor, nblocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
+        if buf.numel() < self.layer_bytes(nblocks) or buf.device != self.mem.device:
+            raise QuantizationError(f"a {buf.numel()}-byte buffer on {buf.device} cannot hold "
+                                    f"{nblocks} blocks of FP8 for KV on {self.mem.device}")
         lay = self.mem.layout
         nscales = self.geo.planes * nblocks * groups_per_chunk(lay)
         head = scales_bytes(lay, nblocks)
@@ -163,12 +182,32 @@ class LayerCodec:
     def encode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
         """Gather + quantize the layer's blocks into ``buf`` (uint8, ``layer_bytes``)."""
         codes, scales = self._split(buf, len(blocks))
-        self.backend.encode(self.mem.layers[layer], blocks, codes, scales)
+        with _as_quantization_error("encode"):
+            self.backend.encode(self.mem.layers[layer], blocks, codes, scales)
 
     def decode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
         """Dequantize ``buf`` into the layer's blocks, in the engine dtype."""
         codes, scales = self._split(buf, len(blocks))
-        self.backend.decode(codes, scales, self.mem.layers[layer], blocks)
+        with _as_quantization_error("decode"):
+            self.backend.decode(codes, scales, self.mem.layers[layer], blocks)
+
+
+@contextlib.contextmanager
+def _as_quantization_error(what: str) -> Iterator[None]:
+    """Any backend failure (torch OOM, a CUDA error) is this transfer's QuantizationError,
+    which the streams turn into a failed transfer; never an error that escapes them."""
+    try:
+        yield
+    except KVStreamError:
+        raise
+    except Exception as exc:
+        raise QuantizationError(f"FP8 {what} failed: {exc!r}") from exc
+
+
+def prepare(mem: RegisteredKV) -> None:
+    """Build the kernel this memory's codec will use (call off the event loop)."""
+    if mem.layout.dtype in CODEC_DTYPES:
+        _ = LayerCodec(mem, "fp8_e4m3").backend
 
 
 def make_codec(mem: RegisteredKV, codec: str) -> LayerCodec | None:

@@ -43,11 +43,14 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``quantize`` into the engine ``dtype`` (round to nearest even)."""
+    """Inverse of ``quantize`` into the engine ``dtype`` (round to nearest even), saturating
+    at the dtype's largest finite value: near the top of the range a code can round up
+    past it (65,000 in fp16 comes back as 65,536), which must not become inf."""
     import torch
 
     xf = codes.view(torch.float8_e4m3fn).float()
-    return (xf * scales.unsqueeze(-2).unsqueeze(-1)).to(dtype)
+    top = torch.finfo(dtype).max
+    return (xf * scales.unsqueeze(-2).unsqueeze(-1)).clamp(-top, top).to(dtype)
 
 
 def within_bound(x: torch.Tensor, y: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from kvstream import Agent, IncompatiblePeerError, KVLayout, TransferError
+from kvstream import Agent, ConfigError, IncompatiblePeerError, KVLayout, TransferError
 from kvstream.quant import reference
 from kvstream.quant.scheme import scale_groups, wire_layer_bytes
 from tests.integration.agents import assert_at_rest, cfg, settle
@@ -117,6 +117,8 @@ async def test_destination_refuses_a_codec_it_does_not_accept(nats_server):
         with pytest.raises(IncompatiblePeerError, match="not accepted"):
             await p.push("r", "cd", [0, 1], codec="fp8_e4m3")
         await rx.abort("refused")
+        with pytest.raises(ConfigError, match="accept_codecs"):
+            await d.pull("r", "cp", [0, 1], codec="fp8_e4m3")
         assert torch.count_nonzero(d.memory.layers[0]) == 0  # nothing landed
         assert_at_rest(p, d)
 

@@ -202,3 +202,39 @@ def test_bench_verification_holds_the_bound_and_can_fail():
     assert not _verify(spec, dst, sb, db, "none")  # lossy: not bit-exact
     dst.layers[1][1, 3, 5, 1, 9] *= 1.2  # one value of V, block 3, off by 20 %
     assert not _verify(spec, dst, sb, db, "fp8_e4m3")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_decode_saturates_at_the_dtype_max_instead_of_inf(backend):
+    """65,000 in fp16 rounds to the code for 65,536 (inf in fp16): it comes back 65,504."""
+    lay = layout("mla", "float16")
+    t = torch.full(lay.tensor_shape(NB), 65000.0).half()
+    t[3, 0, :4] = torch.tensor([-65000.0, 1.0, -0.5, 61000.0])
+    codec = LayerCodec(RegisteredKV(lay, [t]), "fp8_e4m3", backend=backend)
+    buf = torch.zeros(codec.layer_bytes(1), dtype=torch.uint8)
+    codec.encode(0, codec.mem.block_map([3]), buf)
+    dst = torch.zeros_like(t)
+    LayerCodec(RegisteredKV(lay, [dst]), "fp8_e4m3", backend=backend).decode(
+        0, codec.mem.block_map([0]), buf)
+    assert bool(torch.isfinite(dst).all())
+    assert dst[0, 0, 0].item() == -65504.0 and dst[0, 0, 4].item() == 65504.0
+    g = scale_groups(lay)
+    assert reference.within_bound(t[3].view(1, 1, *g), dst[0].view(1, 1, *g))
+
+
+def test_backend_failures_become_quantization_errors():
+    lay = layout()
+    codec = LayerCodec(RegisteredKV(lay, [hard_values(lay)]), "fp8_e4m3")
+
+    class Broken:
+        name = "broken"
+
+        def encode(self, *args: object) -> None:
+            raise RuntimeError("out of memory")
+
+    codec.backend = Broken()  # type: ignore[assignment]
+    buf = torch.zeros(codec.layer_bytes(2), dtype=torch.uint8)
+    with pytest.raises(QuantizationError, match="out of memory"):
+        codec.encode(0, codec.mem.block_map([0, 1]), buf)
+    with pytest.raises(QuantizationError, match="cannot hold"):
+        codec.encode(0, codec.mem.block_map([0, 1]), buf[:-1])
