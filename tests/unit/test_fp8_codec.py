@@ -98,23 +98,27 @@ def test_portable_build_matches_the_reference():
     assert torch.equal(a, b)
 
 
-def test_every_code_decodes_like_torch():
-    codes = torch.arange(256, dtype=torch.uint8).view(1, 1, 1, 1, 1, 256).repeat(1, 1, 1, 1, 1, 1)
-    for scale in (2.0 ** -20, 2.0 ** -3, 1.0, 2.0 ** 7):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_code_decodes_like_torch(dtype):
+    """All 256 codes at several scales (16-bit outputs take the lookup-table path)."""
+    torch_dtype = getattr(torch, dtype)
+    codes = torch.arange(256, dtype=torch.uint8).view(1, 1, 1, 1, 1, 256)
+    for scale in (2.0 ** -20, 2.0 ** -3, 1.0, 2.0 ** 7, 2.0 ** 8):
         scales = torch.full((1, 1, 1, 1), scale)
-        want = reference.dequantize(codes, scales, torch.float32)
+        want = reference.dequantize(codes, scales, torch_dtype).float().view(-1)
         lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=256, block_size=1,
-                       dtype="float32", arrangement="mla")
-        dst = torch.zeros(lay.tensor_shape(1))
+                       dtype=dtype, arrangement="mla")
+        dst = torch.zeros(lay.tensor_shape(1), dtype=torch_dtype)
         mem = RegisteredKV(lay, [dst])
         codec = LayerCodec(mem, "fp8_e4m3")
         buf = torch.zeros(codec.layer_bytes(1), dtype=torch.uint8)
         buf[:4].view(torch.float32)[0] = scale
         buf[64:] = codes.view(-1)
         codec.decode(0, mem.block_map([0]), buf)
-        finite = torch.isfinite(want.view(-1))
-        assert torch.equal(dst.view(-1)[finite], want.view(-1)[finite])
-        assert bool(torch.isnan(dst.view(-1)[~finite]).all())  # 0x7f and 0xff are NaN
+        got = dst.float().view(-1)
+        finite = torch.isfinite(want)
+        assert torch.equal(got[finite], want[finite])
+        assert bool(torch.isnan(got[~finite]).all())  # 0x7f and 0xff are NaN
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
