@@ -11,6 +11,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from opentelemetry.trace import SpanKind
+
+from kvstream import telemetry
 from kvstream._exceptions import ConfigError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
@@ -33,8 +36,17 @@ __all__ = ["Admission"]
 log = logging.getLogger("kvstream.agent")
 
 
+def _trace(t: Transfer, msg: m.Manifest, headers: dict[str, str] | None) -> None:
+    """The receive side's span, a child of the sender's push span (NATS headers)."""
+    telemetry.trace_transfer(t, telemetry.open_span(
+        "kvstream.receive", parent=telemetry.context_from(headers), kind=SpanKind.CONSUMER,
+        request_id=msg.request_id, transfer_id=msg.transfer_id, side="recv", peer=msg.src,
+        mode=msg.mode, codec=msg.codec, blocks=len(msg.src_blocks)))
+
+
 class Admission:
-    async def _on_manifest(self: Agent, msg: m.Manifest) -> m.ControlMessage:
+    async def _on_manifest(self: Agent, msg: m.Manifest,
+                           headers: dict[str, str] | None = None) -> m.ControlMessage:
         def reject(code: m.RejectCode, reason: str) -> m.Reject:
             log.warning("rejected transfer %s from %s: %s", msg.transfer_id, msg.src, reason)
             return m.Reject(transfer_id=msg.transfer_id, code=code, reason=reason)
@@ -81,6 +93,7 @@ class Admission:
             t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
                          peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes)
             t.codec = msg.codec
+            _trace(t, msg, headers)
             handle = ReceiveHandle(t, lambda reason: self._abort(t, reason), blocks=None)
         else:
             if len(msg.src_blocks) != len(handle.blocks) or (  # type: ignore[arg-type]
@@ -92,6 +105,7 @@ class Admission:
             t = handle.transfer
             t.transfer_id, t.peer, t.codec = msg.transfer_id, msg.src, msg.codec
             t.layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+            _trace(t, msg, headers)
             t.started_at = time.monotonic()  # the transfer deadline counts from the offer
             full = handle.blocks
             assert full is not None  # a reservation always has its blocks

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
+from opentelemetry.metrics import Observation
 
+from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     InvalidBlockError,
@@ -157,6 +159,7 @@ class Agent(Admission, Pushing, Pulling, Liveness):
         await self._bus.serve(self.subjects.registry_all, self._on_registry)
         await self._announce()
         await self._bus.flush()
+        self._stack.callback(telemetry.observe_staging(self._staging_observation))
         self._tg.start_soon(self._heartbeat_loop)
         self._tg.start_soon(self._watchdog_loop)
         self._tg.start_soon(self._lease_loop)
@@ -367,11 +370,11 @@ class Agent(Admission, Pushing, Pulling, Liveness):
     async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]) -> m.ControlMessage | None:
         match msg:
             case m.Manifest():
-                return await self._on_manifest(msg)
+                return await self._on_manifest(msg, headers)
             case m.Abort():
                 return await self._on_abort(msg)
             case m.Pull():
-                return await self._on_pull(msg)
+                return await self._on_pull(msg, headers)
             case m.Renew():
                 return await self._on_renew(msg)
             case m.Done():
@@ -384,6 +387,9 @@ class Agent(Admission, Pushing, Pulling, Liveness):
                                 reason=f"{type(msg).__name__} is not a control request")
 
     # -- introspection -----------------------------------------------------------------
+    def _staging_observation(self) -> list[Observation]:
+        return [Observation(self.staging.in_use, {"kvstream.instance": self.instance_id})]
+
     def _count(self, key: str, n: int) -> None:
         self._counters[key] += n
 

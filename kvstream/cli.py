@@ -211,6 +211,8 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
 @click.option("--transport", default="",
               help="UCX transports of the benchmark processes (UCX_TLS), e.g. 'tcp' for a "
                    "slow link")
+@click.option("--tracing", is_flag=True,
+              help="also run with tracing on (spans exported to a file) and report the ratio")
 @click.option("--accuracy", is_flag=True,
               help="report the codec's error (values and attention output) instead of speed")
 @click.option("--nats-url", help="NATS URL (default: an embedded server)")
@@ -219,7 +221,7 @@ def bench(
     model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
     tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool, sidecar: bool,
     modes: tuple[str, ...], prefix_hit: float, codecs: tuple[str, ...], transport: str,
-    accuracy: bool, nats_url: str | None, as_json: bool,
+    tracing: bool, accuracy: bool, nats_url: str | None, as_json: bool,
 ) -> None:
     """Stream a synthetic KV cache between two processes; compare with raw ucxx."""
     from kvstream.bench.runner import run_bench
@@ -233,13 +235,39 @@ def bench(
     say = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     result = run_bench(spec, repeat=repeat, layer_compute_ms=layer_compute_ms,
                        nats_url=nats_url, sidecar=sidecar, modes=list(modes) or None,
-                       codecs=list(codecs) or None, progress=say)
+                       codecs=list(codecs) or None, tracing=tracing, progress=say)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(result)))
         return
     from kvstream.bench.report import print_bench
 
     print_bench(result)
+
+
+def _configure_tracing(service: str, trace_file: str | None) -> Any:
+    """The SDK for this process: OTLP when OTEL_* asks for it, and/or a span file."""
+    from kvstream.otel import configure, otlp_requested
+
+    if not trace_file and not otlp_requested():
+        return lambda: None
+    return configure(service, span_file=trace_file)
+
+
+@app.command()
+@click.argument("span_files", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--last", type=click.IntRange(min=1), default=3, show_default=True,
+              help="show the last N transfers")
+def trace(span_files: tuple[str, ...], last: int) -> None:
+    """Draw transfers from JSON-lines span files (``--trace-file``) as text waterfalls."""
+    from kvstream.tracefile import load_spans, traces, waterfall
+
+    spans = [s for path in span_files for s in load_spans(path)]
+    found = sorted(traces(spans).values(), key=lambda ss: min(s["start_ns"] for s in ss))
+    if not found:
+        raise ConfigError("no kvstream transfer in those files")
+    for ss in found[-last:]:
+        click.echo(waterfall(ss))
+        click.echo()
 
 
 def _accuracy(codec: str, dtype: str, as_json: bool) -> None:
@@ -283,12 +311,14 @@ def demo(model: str, tokens: int, layer_compute_ms: float, link: str,
 @click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--model", help="refuse KV memory of any layout but this preset's")
+@click.option("--trace-file", type=click.Path(dir_okay=False),
+              help="append this sidecar's spans (JSON lines) here; OTEL_* variables select OTLP")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
 def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None, namespace: str,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
             max_inflight_layers: int, max_transfers: int, model: str | None,
-            log_level: str) -> None:
+            log_level: str, trace_file: str | None) -> None:
     """Run an Agent next to one engine, serving it over a Unix socket."""
     import logging
     import os
@@ -308,6 +338,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
                          max_transfers=max_transfers)
     layout = _layout_from(model, None, None, None, 16, "float16")[2] if model else None
     server = Sidecar(config, socket_path, layout=layout)
+    shutdown_tracing = _configure_tracing(f"kvstream-sidecar-{instance_id}", trace_file)
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
@@ -319,7 +350,10 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
                     tg.cancel_scope.cancel()
                     return
 
-    anyio.run(run)
+    try:
+        anyio.run(run)
+    finally:
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:

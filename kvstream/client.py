@@ -26,6 +26,7 @@ import anyio.abc
 import msgspec
 
 from kvstream import _exceptions as errors
+from kvstream import telemetry
 from kvstream._exceptions import ControlPlaneError, KVStreamError
 from kvstream.handles import Waitable, error_for
 from kvstream.layout import KVLayout
@@ -383,7 +384,7 @@ class _SidecarClient:
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
                     mode=mode, block_hashes=list(block_hashes or []),  # type: ignore[arg-type]
-                    codec=codec),
+                    codec=codec, traceparent=telemetry.current_traceparent()),
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
@@ -403,7 +404,7 @@ class _SidecarClient:
         return await self.request(  # type: ignore[no-any-return]
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
-                    codec=codec),
+                    codec=codec, traceparent=telemetry.current_traceparent()),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from kvstream import telemetry
 from kvstream._exceptions import (
     LeaseExpiredError,
     PeerLostError,
@@ -187,6 +188,9 @@ class ReceiveHandle(_Handle):
     async def wait_landed(self, layer: int) -> None:
         """``wait_layer`` without fetching (an observer must not make a lazy pull eager)."""
         if not self.transfer.layers_done[layer]:
+            start = time.time_ns()
             await self._layer_events[layer].wait()
+            if self.transfer.layers_done[layer]:
+                telemetry.record_wait(self.transfer, layer, start)
         if not self.transfer.layers_done[layer]:
             raise error_for(self.transfer.result())

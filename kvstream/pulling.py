@@ -20,7 +20,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
+from opentelemetry.trace import SpanKind
 
+from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     IncompatiblePeerError,
@@ -44,8 +46,11 @@ from kvstream.streams import RecvStream, SendStream
 from kvstream.transfer import Side, Transfer, TransferState
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
     from kvstream.agent import Agent
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.dataplane.memory import BlockMap, RegisteredKV
 
 __all__ = ["REJECT_ERRORS", "Pulling", "RemoteLease", "check_skip", "without"]
 
@@ -166,7 +171,8 @@ class Pulling:
         self._held[request_id] = handle
         return handle
 
-    async def _on_pull(self: Agent, msg: m.Pull) -> m.ControlMessage:
+    async def _on_pull(self: Agent, msg: m.Pull,
+                       headers: dict[str, str] | None = None) -> m.ControlMessage:
         def reject(code: m.RejectCode, reason: str) -> m.Reject:
             log.warning("refused pull of %s by %s: %s", msg.request_id, msg.dst, reason)
             return m.Reject(transfer_id="", code=code, reason=reason)
@@ -201,6 +207,10 @@ class Pulling:
         t.started_at = time.monotonic()  # the transfer deadline counts from the pull
         t.deadline_s = msg.deadline_s
         t.codec = codec
+        telemetry.trace_transfer(t, telemetry.open_span(
+            "kvstream.serve_pull", parent=telemetry.context_from(headers),
+            kind=SpanKind.PRODUCER, request_id=t.request_id, transfer_id=t.transfer_id,
+            side="send", peer=msg.dst, codec=codec, blocks=len(full)))
         handle.blocks = full.without(skip)
         shrink(t, mem, len(full), len(handle.blocks))
         self._count("bytes_skipped", t.bytes_skipped)
@@ -334,15 +344,17 @@ class Pulling:
 
     async def pull(self: Agent, request_id: str, src_instance: str, dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
-                   timeout: float | None = None, codec: str | None = None) -> ReceiveHandle:
+                   timeout: float | None = None, codec: str | None = None,
+                   trace_context: Context | None = None) -> ReceiveHandle:
         """Fetch ``request_id``'s KV offered at ``src_instance`` into ``dst_blocks``.
 
         ``mode="eager"`` fetches every layer now; ``"lazy"`` fetches a layer when the engine
         waits for it (``wait_layer`` / ``fetch``), ``lookahead`` layers ahead. ``have``
         holds prefix hashes already here: those blocks are not sent. ``codec`` (default
         ``AgentConfig.codec``) asks for a wire codec; a source whose cache is already FP8
-        answers "none" and sends it as it is. Returns once the source answered; raises
-        ``TransferError`` if it holds nothing for the request.
+        answers "none" and sends it as it is. The trace nests under ``trace_context``
+        (default: the current OpenTelemetry context). Returns once the source answered;
+        raises ``TransferError`` if it holds nothing for the request.
         """
         mem = self._mem()
         want_codec = effective_codec(codec or self.config.codec, mem.layout)
@@ -360,6 +372,21 @@ class Pulling:
         self._check_capacity()
         dst_tag = wire.next_xfer_tag()
         deadline = timeout or self.config.transfer_timeout_s
+        span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
+                                   request_id=request_id, side="recv", peer=src_instance,
+                                   mode=mode, codec=want_codec, blocks=len(blocks))
+        try:
+            return await self._pull_with(span, request_id, src_instance, blocks, mode, have,
+                                         lookahead, deadline, want_codec, dst_tag)
+        except BaseException as exc:
+            telemetry.end_untracked(span, exc)
+            raise
+
+    async def _pull_with(self: Agent, span: Span, request_id: str, src_instance: str,
+                         blocks: BlockMap, mode: str, have: Iterable[int], lookahead: int,
+                         deadline: float, want_codec: str, dst_tag: int) -> ReceiveHandle:
+        mem = self._mem()
+        key = (src_instance, request_id)
         try:
             reply = await self._bus_().request(
                 self.subjects.control(src_instance),
@@ -369,7 +396,8 @@ class Pulling:
                        dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
                        deadline_s=deadline, codec=want_codec,
                        wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
-                timeout=self.config.request_timeout_s, peer=src_instance)
+                timeout=self.config.request_timeout_s, peer=src_instance,
+                headers=telemetry.headers_of(span))
         except BaseException as exc:
             # The source may have started sending anyway: stop it (and the offer) rather than
             # leave it waiting for credits that never come.
@@ -407,6 +435,8 @@ class Pulling:
         t = Transfer(transfer_id=reply.transfer_id, request_id=request_id, side=Side.RECV,
                      peer=src_instance, num_layers=mem.layout.num_layers, layer_bytes=0)
         t.codec = reply.codec
+        telemetry.trace_transfer(t, span)
+        span.set_attribute("kvstream.transfer_id", t.transfer_id)
         shrink(t, mem, len(blocks), len(kept))
         t.deadline_s = deadline
         self._count("bytes_skipped", t.bytes_skipped)

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import stamina
+from opentelemetry.trace import SpanKind
 
+from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     InvalidBlockError,
@@ -30,6 +32,8 @@ from kvstream.streams import SendStream
 from kvstream.transfer import Side, Transfer, TransferState
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from kvstream.agent import Agent
 
 __all__ = ["Pushing"]
@@ -43,7 +47,7 @@ class Pushing:
         self: Agent, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
         dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
         timeout: float | None = None, block_hashes: Sequence[int] | None = None,
-        codec: str | None = None,
+        codec: str | None = None, trace_context: Context | None = None,
     ) -> SendHandle:
         """Offer ``request_id``'s KV to ``dst_instance``; returns once it accepted.
 
@@ -51,7 +55,8 @@ class Pushing:
         ``"eager"`` waits for every layer. With ``block_hashes`` (prefix-chain hashes of
         the first blocks) the destination skips blocks it already holds. ``codec``
         (default ``AgentConfig.codec``) is the wire codec; an FP8 cache always goes as it
-        is, with its scales. Raises
+        is, with its scales. The transfer's trace nests under ``trace_context`` (default:
+        the caller's current OpenTelemetry context). Raises
         ``NoPeerError`` (nobody answers), ``InvalidBlockError`` (ids outside memory, here or there),
         ``IncompatiblePeerError`` (other layout) before any byte moves.
         """
@@ -71,6 +76,10 @@ class Pushing:
                             layer_bytes=wire_layer_bytes(mem.layout, wire_codec, len(blocks)))
         transfer.deadline_s = timeout
         transfer.codec = wire_codec
+        span = telemetry.trace_transfer(transfer, telemetry.open_span(
+            "kvstream.push", parent=trace_context, kind=SpanKind.PRODUCER,
+            request_id=request_id, transfer_id=transfer.transfer_id, side="send",
+            peer=dst_instance, mode=mode, codec=wire_codec, blocks=len(blocks)))
         handle = SendHandle(transfer, lambda reason: self._abort(transfer, reason),
                             eager=mode == "eager", blocks=blocks)
         src_tag = wire.next_xfer_tag()
@@ -84,7 +93,7 @@ class Pushing:
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
         )
         try:
-            reply = await self._offer(manifest, dst_instance)
+            reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
         except KVStreamError as exc:
             self._fail_unstarted(transfer, exc)
             raise
@@ -117,7 +126,8 @@ class Pushing:
         self._run_stream(transfer.transfer_id, stream)
         return handle
 
-    async def _offer(self: Agent, manifest: m.Manifest, dst: str) -> m.ControlUnion:
+    async def _offer(self: Agent, manifest: m.Manifest, dst: str,
+                     headers: dict[str, str] | None = None) -> m.ControlUnion:
         """Send the manifest; while the destination answers "busy" (no reservation yet and a
         full staging pool) back off and retry, for at most ``staging_wait_s``."""
         reply: m.ControlUnion | None = None
@@ -128,7 +138,7 @@ class Pushing:
                 with attempt:
                     reply = await self._bus_().request(
                         self.subjects.control(dst), manifest,
-                        timeout=self.config.request_timeout_s, peer=dst)
+                        timeout=self.config.request_timeout_s, peer=dst, headers=headers)
                     if isinstance(reply, m.Reject) and reply.code == "busy":
                         raise _Busy(reply.reason)
         except _Busy as exc:

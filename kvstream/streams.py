@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from kvstream import telemetry
 from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
 from kvstream.dataplane.memory import run_copy
@@ -41,6 +43,7 @@ from kvstream.transfer import TransferState
 
 if TYPE_CHECKING:
     import torch
+    from opentelemetry.trace import Span
 
     from kvstream.config import AgentConfig
     from kvstream.dataplane.memory import BlockMap, RegisteredKV
@@ -159,11 +162,12 @@ class SendStream(_Stream):
             self._credit_changed = anyio.Event()
 
     async def _send_layer(self, layer: int, parts: list[torch.Tensor], slot: torch.Tensor | None,
-                          limiter: anyio.Semaphore) -> None:
+                          limiter: anyio.Semaphore, span: Span | None = None) -> None:
         env, t = self.env, self.handle.transfer
         try:
             nbytes = self.layer_bytes
-            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts), codec=t.codec)
+            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts), codec=t.codec,
+                                      traceparent=telemetry.traceparent_of(span))
             if self.single:
                 assert slot is not None  # single framing always stages
                 wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
@@ -186,6 +190,7 @@ class SendStream(_Stream):
             if slot is not None:
                 env.staging.release(slot)
             limiter.release()
+            telemetry.end_layer(span, t.layers_done[layer])
 
     async def _stream(self, sends: anyio.abc.TaskGroup) -> None:
         try:
@@ -207,6 +212,8 @@ class SendStream(_Stream):
                 await self._credit_changed.wait()
             await limiter.acquire()
             slot = None
+            span = telemetry.layer_span(t, "kvstream.layer.send", layer, bytes=self.layer_bytes,
+                                        blocks=len(blocks), codec=t.codec)
             try:
                 if direct:
                     parts = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
@@ -224,8 +231,9 @@ class SendStream(_Stream):
                 if slot is not None:
                     env.staging.release(slot)
                 limiter.release()
+                telemetry.end_layer(span, False)
                 raise
-            sends.start_soon(self._send_layer, layer, parts, slot, limiter)
+            sends.start_soon(self._send_layer, layer, parts, slot, limiter, span)
 
     async def run(self) -> None:
         _env, t = self.env, self.handle.transfer
@@ -288,6 +296,7 @@ class RecvStream(_Stream):
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
         self.single = single_message_for(env.memory, src_contiguous, dst_run, t.codec)
         self._posted: dict[int, list[PostedRecv]] = {}
+        self._posted_ns: dict[int, int] = {}  # when each layer's receive was posted (traces)
         self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
         self.prestaged = staged_slots is not None
         self._staged: set[int] = set()  # layers received into staging, not yet in blocks
@@ -304,6 +313,7 @@ class RecvStream(_Stream):
     def _post_layer(self, layer: int, slot: torch.Tensor | None) -> Any:
         """Post this layer's receives now; returns the buffer its header will land in."""
         mem, blocks, worker = self.env.memory, self.handle.blocks, self.env.worker
+        self._posted_ns[layer] = time.time_ns()
         if self.single:
             assert slot is not None  # single framing always stages
             self._posted[layer] = [worker.post_recv(slot, wire.make_tag(self.dst_tag, layer,
@@ -344,6 +354,7 @@ class RecvStream(_Stream):
 
     async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
+        span: Span | None = None
         try:
             for req in self._posted[layer]:
                 await req.wait()
@@ -358,6 +369,12 @@ class RecvStream(_Stream):
                     f"{header.nbytes} bytes codec {header.codec}; expected {self.dst_tag:#x}, "
                     f"{layer}, {want}, {h.transfer.codec}")
             del self._posted[layer]
+            span = telemetry.layer_span(
+                h.transfer, "kvstream.layer.receive", layer, start_ns=self._posted_ns.get(layer),
+                links=telemetry.link_from(header.traceparent), bytes=want,
+                blocks=self.nblocks, codec=h.transfer.codec)
+            if span is not None:
+                span.add_event("arrived")
             env.count("bytes_received", want)
             self.received += 1
             if h.blocks is None:
@@ -372,6 +389,7 @@ class RecvStream(_Stream):
         except Exception as exc:  # torch or UCX trouble ends this transfer, not the agent
             self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
         finally:
+            telemetry.end_layer(span, h.transfer.layers_done[layer] or layer in self._staged)
             posted = self._posted.get(layer)
             # A slot with a receive still posted on it is released after the drain; a staged
             # layer's slot when it is claimed or dropped.

@@ -11,9 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
+
+from kvstream import telemetry
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 __all__ = ["TERMINAL", "Side", "Transfer", "TransferResult", "TransferState"]
 
@@ -88,6 +93,8 @@ class Transfer:
         self.codec = "none"
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
+        self.span: Span | None = None  # its trace (kvstream.telemetry), when one is open
+        telemetry.transfer_started(self)
 
     def __repr__(self) -> str:
         return (f"<Transfer {self.transfer_id[:8]} {self.side.value} peer={self.peer} "

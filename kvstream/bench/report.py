@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 
+import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -41,6 +44,10 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
         t.add_row(f"exposed ms, pipelined ({r.layer_compute_ms} ms/layer)",
                   f"{r.exposed_ms_pipelined:.2f}", "after the last layer's compute")
         t.add_row("exposed ms, eager", f"{r.exposed_ms_eager:.2f}", "")
+    if r.tracing_gbps is not None:
+        t.add_row("kvstream, tracing on (spans to a file)", f"{r.tracing_gbps:.2f}",
+                  f"{r.tracing_ratio:.3f} of tracing off, {r.traced_spans} spans, "
+                  f"best of {r.tracing_runs_gbps}")
     if r.prefix_hit:
         t.add_row(f"prefix hit {r.prefix_hit:.0%}: wire MiB per transfer",
                   f"{r.wire_bytes / 2**20:.0f}", f"of {r.payload_bytes / 2**20:.0f} MiB; "
@@ -87,7 +94,10 @@ def run_demo(spec: BenchSpec, *, model: str, layer_compute_ms: float, link: str,
     console.print(f"[bold]kvstream demo[/]: {model}, {spec.tokens} tokens, "
                   f"{spec.payload_bytes / 2**20:.0f} MiB of KV ({spec.layout.describe()})")
     console.print("starting NATS, a prefill process and a decode process ...")
-    with Harness(spec, nats_url=nats_url) as h:
+    tmp = tempfile.TemporaryDirectory(prefix="kvstream-demo-")
+    if _sdk_available():
+        spec = msgspec.structs.replace(spec, trace_dir=tmp.name)
+    with tmp, Harness(spec, nats_url=nats_url) as h:
         h.run_kv(verify=False)  # warm-up: endpoints, staging buffers, page faults
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:
@@ -99,8 +109,11 @@ def run_demo(spec: BenchSpec, *, model: str, layer_compute_ms: float, link: str,
                     progress.update(task, completed=evt.layer + 1)
 
             piped = h.run_kv(mode="pipelined", compute_ms=layer_compute_ms, on_event=on_event)
+        piped_rid = f"bench-{h._run}"
         eager = h.run_kv(mode="eager", compute_ms=layer_compute_ms)
         fast = [h.run_kv() for _ in range(2)]
+        h.close()  # the processes flush their spans on the way out
+        picture = _waterfall(spec.trace_dir, piped_rid)
     best = max(fast, key=lambda r: r.gbps)
     ok = all(r.verified and r.status == "completed" for r in (piped, eager, *fast))
 
@@ -127,3 +140,29 @@ def run_demo(spec: BenchSpec, *, model: str, layer_compute_ms: float, link: str,
     console.print(t)
     console.print(f"loopback shared memory here: median of runs "
                   f"{statistics.median(r.gbps for r in fast):.2f} GB/s")
+    print(picture)  # not through rich: a waterfall must not wrap
+
+
+def _sdk_available() -> bool:
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _waterfall(trace_dir: str, request_id: str) -> str:
+    """The pipelined run's trace from both processes' span files, as text."""
+    from kvstream.tracefile import load_spans, traces, waterfall
+
+    if not trace_dir:
+        return ("(install the otel extra, pip install 'kvstream[otel]', to see the transfer's "
+                "per-layer waterfall here)")
+    spans = [s for role in ("prefill", "decode")
+             if os.path.exists(p := os.path.join(trace_dir, f"{role}.jsonl"))
+             for s in load_spans(p)]
+    for ss in traces(spans).values():
+        if any(s["attributes"].get("kvstream.request_id") == request_id for s in ss):
+            return "the pipelined transfer, both processes (kvstream trace draws these):\n" + \
+                waterfall(ss)
+    return "(no trace of the pipelined transfer was exported)"

@@ -122,6 +122,11 @@ class BenchResult(msgspec.Struct, kw_only=True):
     codec_speed: CodecSpeed | None = None
     transport: str = ""
     accuracy: list[Any] = []  # --accuracy: quant.accuracy.AccuracyReport per data source
+    # --tracing: the same transfers with an SDK exporting every span to a file, same run.
+    tracing_gbps: float | None = None
+    tracing_ratio: float | None = None  # traced GB/s over untraced GB/s (best of each)
+    tracing_runs_gbps: list[float] = []
+    traced_spans: int = 0  # spans both processes exported in the traced runs
 
 
 class Harness:
@@ -374,6 +379,7 @@ def _pct(samples: list[float], q: float) -> float | None:
 def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | None = None,
               nats_url: str | None = None, raw: bool = True, sidecar: bool = False,
               modes: list[str] | None = None, codecs: list[str] | None = None,
+              tracing: bool = False,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """``modes``: transfer modes to measure (default: push-pipelined for throughput, and
     push-pipelined against push-eager for exposed time). ``codecs``: wire codecs to
@@ -393,6 +399,8 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
     exposure: dict[str, list[KVRun]] = {}
     sc_runs: list[KVRun] = []
     codec_runs: dict[str, list[KVRun]] = {c: [] for c in extra_codecs}
+    traced_runs: list[KVRun] = []
+    traced_spans = 0
     codec_exposure: dict[str, list[KVRun]] = {}
     raw_runs: list[float] = []
     wire = 0.0
@@ -400,6 +408,11 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         h = stack.enter_context(Harness(spec, nats_url=nats_url))
         hs = (stack.enter_context(Harness(spec, nats_url=h.nats_url, sidecar=True))
               if sidecar else None)
+        trace_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstream-trace-")) \
+            if tracing else ""
+        ht = (stack.enter_context(Harness(msgspec.structs.replace(
+            spec, trace_dir=trace_dir, namespace=f"{spec.namespace}-traced"),
+            nats_url=h.nats_url)) if tracing else None)
         say("warm-up")
         for mode in rate_modes:
             h.run_kv(mode=mode, verify=False)
@@ -407,6 +420,8 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             h.run_kv(mode=rate_modes[0], verify=False, codec=codec)
         if hs is not None:
             hs.run_kv(mode=rate_modes[0], verify=False)
+        if ht is not None:
+            ht.run_kv(mode=rate_modes[0], verify=False)
         if raw:
             h.run_raw()
         # Interleave the variants so machine noise hits all alike.
@@ -417,6 +432,9 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             for codec in extra_codecs:
                 say(f"round {i + 1}/{repeat}: kvstream {rate_modes[0]}, codec {codec}")
                 codec_runs[codec].append(h.run_kv(mode=rate_modes[0], codec=codec))
+            if ht is not None:
+                say(f"round {i + 1}/{repeat}: kvstream {rate_modes[0]}, tracing on")
+                traced_runs.append(ht.run_kv(mode=rate_modes[0]))
             if hs is not None:
                 say(f"round {i + 1}/{repeat}: kvstream, agents in sidecars")
                 sc_runs.append(hs.run_kv(mode=rate_modes[0]))
@@ -438,8 +456,16 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
                     for _ in range(repeat)]
         stats = {**h.last_stats, **({f"sidecar_{k}": v for k, v in hs.last_stats.items()}
                                     if hs is not None else {})}
+        if ht is not None:
+            ht.close()  # its processes flush their spans on the way out
+            for role in ("prefill", "decode"):
+                path = os.path.join(trace_dir, f"{role}.jsonl")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        traced_spans += sum(1 for line in f if line.strip())
     every = [r for rs in (*runs.values(), *exposure.values(), sc_runs, *codec_runs.values(),
-                          *codec_exposure.values()) for r in rs]
+                          *codec_exposure.values(), traced_runs) for r in rs]
+    best_traced = max((r.gbps for r in traced_runs), default=0.0)
     for codec, rs in (*codec_runs.items(), *codec_exposure.items()):
         if any(r.codec != codec for r in rs if r.status == "completed"):
             raise KVStreamError(f"asked for codec {codec}, the transfer negotiated "
@@ -497,6 +523,10 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         if codecs else {},
         codec_speed=codec_speed(spec, extra_codecs[0]) if extra_codecs else None,
         transport=spec.transport,
+        tracing_gbps=round(best_traced, 3) if tracing else None,
+        tracing_ratio=round(best_traced / best_kv, 3) if tracing else None,
+        tracing_runs_gbps=[round(r.gbps, 3) for r in traced_runs],
+        traced_spans=traced_spans,
     )
 
 

@@ -34,6 +34,7 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hit: float = 0.0  # share of the prompt's blocks already at the destination
     data: str = "pattern"  # "pattern" (bit-exact check) or "kv" (values; codec runs)
     transport: str = ""  # UCX_TLS of the benchmark processes ("tcp": a slow link)
+    trace_dir: str = ""  # tracing on: each process writes its spans to <dir>/<role>.jsonl
 
     @property
     def block_hashes(self) -> list[int]:

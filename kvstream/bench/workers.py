@@ -123,6 +123,22 @@ def _use_transport(spec: BenchSpec) -> None:
         os.environ["UCX_TLS"] = spec.transport
 
 
+@contextlib.contextmanager
+def _tracing(spec: BenchSpec, role: str) -> Any:
+    """With ``spec.trace_dir``, this process exports its spans to ``<dir>/<role>.jsonl``."""
+    if not spec.trace_dir:
+        yield
+        return
+    from kvstream.otel import configure
+
+    shutdown = configure(f"kvstream-bench-{role}",
+                         span_file=os.path.join(spec.trace_dir, f"{role}.jsonl"), otlp=False)
+    try:
+        yield
+    finally:
+        shutdown()
+
+
 def _prepare(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
              hit: int) -> None:
     """Zero the destination blocks (a previous run's bytes must not pass verification),
@@ -256,7 +272,8 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
                      waited_s=waited, wire_bytes=stats["bytes_received"] - before,
                      codec=result.codec)
 
-    anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)
+    with _tracing(spec, "decode"):
+        anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)
 
 
 def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
@@ -294,7 +311,8 @@ def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None
                      status=result.status, reason=result.reason,
                      stats=await side.client.statistics(), overhead_us=ready_us)
 
-    anyio.run(_serve, spec, target, "prefill", cmd_q, evt_q, handle_cmd)
+    with _tracing(spec, "prefill"):
+        anyio.run(_serve, spec, target, "prefill", cmd_q, evt_q, handle_cmd)
 
 
 def sidecar_main(spec_bytes: bytes, role: str, socket_path: str, nats_url: str) -> None:

@@ -79,6 +79,7 @@ class Push(LocalMessage, tag="push"):
     mode: Literal["pipelined", "eager"] = "pipelined"
     block_hashes: list[int] = []
     codec: str | None = None
+    traceparent: str = ""  # the engine's request span: the transfer's trace nests under it
 
 
 class Offer(LocalMessage, tag="offer"):
@@ -97,6 +98,7 @@ class Pull(LocalMessage, tag="pull"):
     have: list[int] = []
     lookahead: int = 1
     codec: str | None = None
+    traceparent: str = ""
 
 
 class Fetch(LocalMessage, tag="fetch"):

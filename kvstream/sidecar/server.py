@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from kvstream import telemetry
 from kvstream._exceptions import ConfigError, KVStreamError, LayoutError, MessageDecodeError
 from kvstream.agent import Agent
 from kvstream.config import AgentConfig
@@ -183,12 +184,16 @@ class _Session:
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.push(
             msg.request_id, msg.dst, msg.src_blocks, dst_blocks=msg.dst_blocks, mode=msg.mode,
-            block_hashes=msg.block_hashes, codec=msg.codec), self._finished)
+            block_hashes=msg.block_hashes, codec=msg.codec,
+            trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
+            self._finished)
 
     async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.pull(
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
-            lookahead=msg.lookahead, codec=msg.codec), self._watch_receive)
+            lookahead=msg.lookahead, codec=msg.codec,
+            trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
+            self._watch_receive)
 
     async def _start(self, rid: int, begin: Any, follow: Any) -> None:
         """Await a transfer's start, answer the engine with its handle, then follow it."""

@@ -107,3 +107,15 @@ def test_bench_accuracy_report():
     assert {r["source"] for r in fp8} == {"random", "random+outliers", "tiny-llama"}
     assert all(r["within_bound"] for r in fp8)
     assert 0.5 < fp8[0]["wire_bytes"] / fp8[0]["raw_bytes"] < 0.51
+
+
+def test_bench_tracing_on_and_off(nats_server):
+    out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+                    "--tokens", "512", "--repeat", "1", "--tracing", "--json",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True
+    assert result["tracing_gbps"] > 0 and result["tracing_ratio"] > 0
+    # warm-up + 1 round; each transfer: 2 transfer spans + a span per layer on each side
+    assert result["traced_spans"] == 2 * (2 + 2 * 4)

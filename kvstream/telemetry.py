@@ -1,0 +1,225 @@
+"""Traces and metrics of transfers, through the OpenTelemetry *API* only.
+
+The library never configures an SDK: an application (the sidecar, the CLI, the demo,
+or the engine) does, with ``kvstream.otel.configure``. Without one every call here is
+the API's no-op, and the per-layer work is skipped outright: a layer span is made only
+when its transfer's span is recording.
+
+One transfer is one trace across both sides. The side that starts it (``push``, or
+``pull`` on the decode side) opens the transfer span under the caller's current context
+(the engine's request span nests it); its W3C ``traceparent`` rides in the NATS headers
+of the manifest / pull, and the other side's transfer span is its child. Each side has a
+span per layer under its own transfer span; a layer's data-plane header carries the
+sender's layer span, linked from the receiver's. Metric names and units: README,
+"Observability".
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+    from kvstream.transfer import Transfer
+
+__all__ = [
+    "context_from",
+    "headers_of",
+    "layer_span",
+    "link_from",
+    "metrics_for",
+    "open_span",
+    "trace_transfer",
+    "traceparent_of",
+    "transfer_started",
+]
+
+_tracer = trace.get_tracer("kvstream")
+_tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # spans a Transfer will end
+_meter = metrics.get_meter("kvstream")
+
+_duration = _meter.create_histogram(
+    "kvstream.transfer.duration", unit="s",
+    description="Time from the start of a transfer to its end, per side")
+_bytes = _meter.create_counter(
+    "kvstream.transfer.bytes", unit="By", description="Bytes moved over the data plane")
+_skipped = _meter.create_counter(
+    "kvstream.transfer.skipped_bytes", unit="By",
+    description="Bytes not moved because the destination held them (incremental)")
+_throughput = _meter.create_histogram(
+    "kvstream.transfer.throughput", unit="By/s",
+    description="Wire bytes over the duration of each completed transfer")
+_ended = _meter.create_counter(
+    "kvstream.transfer.ended", unit="{transfer}",
+    description="Transfers ended, by side and status (completed, failed, aborted, ...)")
+_active = _meter.create_up_down_counter(
+    "kvstream.transfer.active", unit="{transfer}", description="Transfers in flight")
+_layer_wait = _meter.create_histogram(
+    "kvstream.layer.wait", unit="s",
+    description="How long the decode engine waited for a layer that had not landed")
+
+
+_gauges: list[Callable[[], list[metrics.Observation]]] = []
+
+
+def _observe(_options: metrics.CallbackOptions) -> list[metrics.Observation]:
+    return [o for cb in list(_gauges) for o in cb()]
+
+
+_meter.create_observable_up_down_counter(
+    "kvstream.staging.usage", callbacks=[_observe], unit="By",
+    description="Staging pool bytes lent out, per agent")
+
+
+def observe_staging(cb: Callable[[], list[metrics.Observation]]) -> Callable[[], None]:
+    """Register an agent's staging gauge; returns the unregister function."""
+    _gauges.append(cb)
+    return lambda: _gauges.remove(cb) if cb in _gauges else None
+
+
+def context_from(headers: Mapping[str, str] | None) -> Context | None:
+    """The remote parent a peer sent in NATS headers (None without one)."""
+    if not headers or "traceparent" not in headers:
+        return None
+    return propagate.extract(dict(headers))
+
+
+def headers_of(span: Span | None) -> dict[str, str] | None:
+    """NATS headers carrying ``span`` as the remote parent (None when it is not recording)."""
+    if span is None or not span.is_recording():
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier or None
+
+
+def current_traceparent() -> str:
+    """The caller's current span as a ``traceparent`` ("" when none is recording)."""
+    return traceparent_of(trace.get_current_span())
+
+
+def traceparent_of(span: Span | None) -> str:
+    headers = headers_of(span)
+    return headers.get("traceparent", "") if headers else ""
+
+
+def link_from(traceparent: str) -> list[Link]:
+    """A link to the peer's layer span named in a data-plane header."""
+    if not traceparent:
+        return []
+    ctx = trace.get_current_span(propagate.extract({"traceparent": traceparent}))
+    sc = ctx.get_span_context()
+    return [Link(sc)] if sc.is_valid else []
+
+
+def open_span(name: str, *, parent: Context | None = None,
+              kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Span:
+    """A transfer's span under ``parent`` (default: the caller's current context)."""
+    return _tracer.start_span(name, context=parent, kind=kind, attributes={
+        f"kvstream.{k}": v for k, v in attributes.items() if v is not None})
+
+
+def trace_transfer(t: Transfer, span: Span) -> Span:
+    """Make ``span`` the trace of ``t``: ended with its outcome when ``t`` ends."""
+    t.span = span
+    _tracked.add(span)
+    if t.terminal:
+        _end_span(t, span)
+    return span
+
+
+def end_untracked(span: Span, exc: BaseException) -> None:
+    """End a span whose transfer never came to exist (the request failed before)."""
+    if span.is_recording() and span not in _tracked:
+        span.set_status(Status(StatusCode.ERROR, repr(exc)))
+        span.end()
+
+
+def transfer_started(t: Transfer) -> None:
+    """Every transfer counts (reservations and offers too) until it ends, exactly once."""
+    side = {"kvstream.side": t.side.value}
+    _active.add(1, side)
+
+    def ended() -> None:
+        _active.add(-1, side)
+        _record_end(t)
+        if t.span is not None:
+            _end_span(t, t.span)
+
+    t.on_release(ended)
+
+
+def _record_end(t: Transfer) -> None:
+    r = t.result()
+    attrs = {"kvstream.side": r.side, "kvstream.codec": r.codec}
+    _duration.record(r.seconds, {**attrs, "kvstream.status": r.status})
+    _ended.add(1, {**attrs, "kvstream.status": r.status})
+    if r.bytes:
+        _bytes.add(r.bytes, {**attrs, "kvstream.direction":
+                             "sent" if r.side == "send" else "received"})
+    if r.bytes_skipped:
+        _skipped.add(r.bytes_skipped, attrs)
+    if r.ok and r.seconds > 0 and r.bytes:
+        _throughput.record(r.bytes / r.seconds, attrs)
+
+
+def _end_span(t: Transfer, span: Span) -> None:
+    if not span.is_recording():
+        return
+    r = t.result()
+    span.set_attributes({"kvstream.request_id": r.request_id,
+                         "kvstream.transfer_id": r.transfer_id, "kvstream.peer": r.peer,
+                         "kvstream.side": r.side, "kvstream.bytes": r.bytes,
+                         "kvstream.bytes_skipped": r.bytes_skipped,
+                         "kvstream.layers_done": r.layers, "kvstream.layers": t.num_layers,
+                         "kvstream.codec": r.codec, "kvstream.status": r.status})
+    if r.ok:
+        span.set_status(Status(StatusCode.OK))
+    else:
+        span.set_status(Status(StatusCode.ERROR, f"{r.status}: {r.reason}"))
+    span.end()
+
+
+def layer_span(t: Transfer, name: str, layer: int, *, start_ns: int | None = None,
+               links: list[Link] | None = None, **attributes: Any) -> Span | None:
+    """A child of ``t``'s span for one layer, or None when nobody records (no cost)."""
+    parent = t.span
+    if parent is None or not parent.is_recording():
+        return None
+    return _tracer.start_span(
+        name, context=trace.set_span_in_context(parent), start_time=start_ns, links=links,
+        attributes={"kvstream.layer": layer,
+                    **{f"kvstream.{k}": v for k, v in attributes.items() if v is not None}})
+
+
+def end_layer(span: Span | None, ok: bool) -> None:
+    if span is None:
+        return
+    if not ok:
+        span.set_status(Status(StatusCode.ERROR, "layer did not complete"))
+    span.end()
+
+
+def record_wait(t: Transfer, layer: int, start_ns: int) -> None:
+    """The engine waited for ``layer`` since ``start_ns`` (it had not landed)."""
+    seconds = (time.time_ns() - start_ns) / 1e9
+    _layer_wait.record(seconds, {"kvstream.codec": t.codec})
+    span = layer_span(t, "kvstream.wait_layer", layer, start_ns=start_ns)
+    if span is not None:
+        span.end()
+
+
+def metrics_for() -> dict[str, str]:
+    """Metric names and units (the README lists them from here)."""
+    return {"kvstream.transfer.duration": "s", "kvstream.transfer.bytes": "By",
+            "kvstream.transfer.skipped_bytes": "By", "kvstream.transfer.throughput": "By/s",
+            "kvstream.transfer.ended": "{transfer}", "kvstream.transfer.active": "{transfer}",
+            "kvstream.layer.wait": "s", "kvstream.staging.usage": "By"}
