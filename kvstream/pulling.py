@@ -388,16 +388,17 @@ class Pulling:
         mem = self._mem()
         key = (src_instance, request_id)
         try:
-            reply = await self._bus_().request(
-                self.subjects.control(src_instance),
-                m.Pull(request_id=request_id, src=src_instance, dst=self.instance_id,
-                       dst_address=self.worker_address, dst_tag=dst_tag,
-                       fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
-                       dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
-                       deadline_s=deadline, codec=want_codec,
-                       wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
-                timeout=self.config.request_timeout_s, peer=src_instance,
-                headers=telemetry.headers_of(span))
+            with telemetry.step(span, "kvstream.manifest", peer=src_instance):
+                reply = await self._bus_().request(
+                    self.subjects.control(src_instance),
+                    m.Pull(request_id=request_id, src=src_instance, dst=self.instance_id,
+                           dst_address=self.worker_address, dst_tag=dst_tag,
+                           fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+                           dst_blocks=blocks.ids, have=list(have), mode=mode,  # type: ignore[arg-type]
+                           deadline_s=deadline, codec=want_codec,
+                           wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
+                    timeout=self.config.request_timeout_s, peer=src_instance,
+                    headers=telemetry.headers_of(span))
         except BaseException as exc:
             # The source may have started sending anyway: stop it (and the offer) rather than
             # leave it waiting for credits that never come.

@@ -93,7 +93,8 @@ class Pushing:
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
         )
         try:
-            reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
+            with telemetry.step(span, "kvstream.manifest", peer=dst_instance):
+                reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
         except KVStreamError as exc:
             self._fail_unstarted(transfer, exc)
             raise

@@ -16,9 +16,10 @@ sender's layer span, linked from the receiver's. Metric names and units: README,
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics, propagate, trace
@@ -161,7 +162,8 @@ def _record_end(t: Transfer) -> None:
     r = t.result()
     attrs = {"kvstream.side": r.side, "kvstream.codec": r.codec}
     _duration.record(r.seconds, {**attrs, "kvstream.status": r.status})
-    _ended.add(1, {**attrs, "kvstream.status": r.status})
+    _ended.add(1, {**attrs, "kvstream.status": r.status,
+                   "kvstream.reason": reason_class(r.status, r.reason)})
     if r.bytes:
         _bytes.add(r.bytes, {**attrs, "kvstream.direction":
                              "sent" if r.side == "send" else "received"})
@@ -198,6 +200,44 @@ def layer_span(t: Transfer, name: str, layer: int, *, start_ns: int | None = Non
         name, context=trace.set_span_in_context(parent), start_time=start_ns, links=links,
         attributes={"kvstream.layer": layer,
                     **{f"kvstream.{k}": v for k, v in attributes.items() if v is not None}})
+
+
+@contextlib.contextmanager
+def step(parent: Span | None, name: str, **attributes: Any) -> Iterator[Span | None]:
+    """A child span of ``parent`` around one step (the manifest or pull exchange); nothing
+    when ``parent`` does not record."""
+    if parent is None or not parent.is_recording():
+        yield None
+        return
+    span = _tracer.start_span(name, context=trace.set_span_in_context(parent), attributes={
+        f"kvstream.{k}": v for k, v in attributes.items() if v is not None})
+    try:
+        yield span
+    except BaseException as exc:
+        span.set_status(Status(StatusCode.ERROR, repr(exc)))
+        raise
+    finally:
+        span.end()
+
+
+def reason_class(status: str, reason: str) -> str:
+    """A low-cardinality cause for ``kvstream.transfer.ended`` (the reason text is free)."""
+    if status in ("completed", "expired"):
+        return status
+    text = reason.lower()
+    if text.startswith("aborted by ") and not text.startswith("aborted by the engine"):
+        return "aborted_by_peer"  # the peer's Abort: "aborted by <instance>: <why>"
+    for cls, words in (("timeout", ("deadline", "timed out", "timeout")),
+                       ("peer_lost", ("peer lost", "dead", "died", "no heartbeat", "left",
+                                      "no instance answers")),
+                       ("lease", ("lease",)),
+                       ("codec", ("fp8", "inf or nan", "scales", "quantiz")),
+                       ("shutdown", ("shutting down", "unregistered")),
+                       ("refused", ("refused", "incompatible", "fingerprint")),
+                       ("aborted", ("abort",))):
+        if any(w in text for w in words):
+            return cls
+    return status
 
 
 def end_layer(span: Span | None, ok: bool) -> None:

@@ -70,7 +70,8 @@ def waterfall(spans: list[dict[str, Any]], *, width: int = 48) -> str:
     t1 = max(s["end_ns"] for s in spans)
     total = max(t1 - t0, 1)
     rows: list[tuple[str, dict[str, Any]]] = []
-    for s in sorted((s for s in spans if s["name"] in TRANSFER_SPANS), key=lambda s: s["start_ns"]):
+    for s in sorted((s for s in spans if s["name"] in (*TRANSFER_SPANS, "kvstream.manifest")),
+                    key=lambda s: s["start_ns"]):
         rows.append((s["name"].removeprefix("kvstream."), s))
     layers: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for s in spans:

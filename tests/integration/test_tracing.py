@@ -42,6 +42,9 @@ def test_one_trace_across_both_processes(tmp_path, nats_server, mode, root, chil
     other = next(s for s in trace if s["name"] == child)
     assert top["parent_id"] is None
     assert other["parent_id"] == top["context"]["span_id"]  # joined through NATS headers
+    (exchange,) = [s for s in trace if s["name"] == "kvstream.manifest"]
+    assert exchange["parent_id"] == top["context"]["span_id"] and exchange["process"] == (
+        "prefill" if root == "kvstream.push" else "decode")
     sender = top if root == "kvstream.push" else other
     receiver = other if root == "kvstream.push" else top
     assert sender["process"] == "prefill" and receiver["process"] == "decode"

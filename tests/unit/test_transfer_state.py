@@ -64,3 +64,17 @@ def test_random_event_sequences_end_exactly_once():
             ends += t.finish(TransferState.COMPLETED)
         assert ends <= 1 and len(released) == ends
         assert repr(t).startswith("<Transfer t1")
+
+
+def test_end_reasons_fall_into_few_classes():
+    from kvstream.telemetry import reason_class
+
+    assert reason_class("completed", "") == "completed"
+    assert reason_class("expired", "lease of 30s expired") == "expired"
+    assert reason_class("failed", "peer lost: no heartbeat for 2.0s") == "peer_lost"
+    assert reason_class("timed_out", "transfer deadline of 60s passed") == "timeout"
+    assert reason_class("failed", "layer 3: KV holds inf or NaN in 2 scale groups") == "codec"
+    assert reason_class("aborted", "agent shutting down") == "shutdown"
+    assert reason_class("aborted", "aborted by the engine") == "aborted"
+    assert reason_class("aborted", "aborted by decode-3: gave up") == "aborted_by_peer"
+    assert reason_class("failed", "something new") == "failed"
