@@ -17,6 +17,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -125,10 +126,12 @@ class RemoteReceive(_RemoteHandle):
             self.fetch(layer)
         if self.landed[layer]:
             return
+        start = time.time_ns()
         await self._events[layer].wait()
         if not self.landed[layer]:
             assert self._result is not None
             raise error_for(self._result)
+        telemetry.record_engine_wait(layer, start)  # the engine's own wait, in its process
 
 
 class RemoteSend(_RemoteHandle):

@@ -183,14 +183,15 @@ class ReceiveHandle(_Handle):
         On a lazy pull this is also the fetch: the layer is requested now if it was not."""
         if self.lazy:  # even when it landed already: the lookahead moves on
             self.fetch(layer)
+        if self.transfer.layers_done[layer]:
+            return
+        start = time.time_ns()  # the engine waits: traced and measured (kvstream.layer.wait)
         await self.wait_landed(layer)
+        telemetry.record_wait(self.transfer, layer, start)
 
     async def wait_landed(self, layer: int) -> None:
         """``wait_layer`` without fetching (an observer must not make a lazy pull eager)."""
         if not self.transfer.layers_done[layer]:
-            start = time.time_ns()
             await self._layer_events[layer].wait()
-            if self.transfer.layers_done[layer]:
-                telemetry.record_wait(self.transfer, layer, start)
         if not self.transfer.layers_done[layer]:
             raise error_for(self.transfer.result())

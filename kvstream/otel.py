@@ -26,11 +26,26 @@ from kvstream._exceptions import ConfigError
 __all__ = ["JsonLinesSpanExporter", "configure", "otlp_requested"]
 
 
+def _exporters(var: str) -> list[str]:
+    return [x.strip().lower() for x in os.environ.get(var, "").split(",") if x.strip()]
+
+
 def otlp_requested() -> bool:
+    """OTLP traces asked for by the standard variables (an endpoint, or the exporter list)."""
     env = os.environ
+    named = _exporters("OTEL_TRACES_EXPORTER")
+    if named:
+        return "otlp" in named
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or
-                env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or
-                "otlp" in env.get("OTEL_TRACES_EXPORTER", ""))
+                env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def _check_protocol() -> None:
+    for var in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"):
+        if os.environ.get(var, "http/protobuf") not in ("http/protobuf", ""):
+            raise ConfigError(f"{var}={os.environ[var]}: kvstream exports OTLP over "
+                              "http/protobuf (point it at the collector's HTTP port, 4318)")
 
 
 class JsonLinesSpanExporter:
@@ -64,7 +79,11 @@ class JsonLinesSpanExporter:
 def configure(service_name: str, *, span_file: str | None = None, console: bool = False,
               otlp: bool | None = None) -> Callable[[], None]:
     """Install tracer and meter providers; returns a function that flushes and shuts them
-    down. Raises ConfigError when the SDK (the ``otel`` extra) is missing."""
+    down. ``OTEL_SDK_DISABLED=true`` turns it into a no-op; ``OTEL_TRACES_EXPORTER`` /
+    ``OTEL_METRICS_EXPORTER`` (comma lists of otlp, console, none) pick exporters on top of
+    the arguments. Raises ConfigError when the SDK (the ``otel`` extra) is missing."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return lambda: None
     try:
         from opentelemetry import metrics, trace
         from opentelemetry.sdk.metrics import MeterProvider
@@ -78,8 +97,12 @@ def configure(service_name: str, *, span_file: str | None = None, console: bool 
                                                                 service_name)})
     tracer_provider = TracerProvider(resource=resource)
     use_otlp = otlp_requested() if otlp is None else otlp
+    named_metrics = _exporters("OTEL_METRICS_EXPORTER")
+    metrics_otlp = "otlp" in named_metrics if named_metrics else use_otlp
+    console = console or "console" in _exporters("OTEL_TRACES_EXPORTER")
     readers = []
-    if use_otlp:
+    if use_otlp or metrics_otlp:
+        _check_protocol()
         try:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -87,8 +110,17 @@ def configure(service_name: str, *, span_file: str | None = None, console: bool 
         except ImportError as exc:
             raise ConfigError("OTLP export needs opentelemetry-exporter-otlp-proto-http: "
                               "pip install 'kvstream[otel]'") from exc
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        if use_otlp:
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        if metrics_otlp:
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    if "console" in named_metrics:
+        from opentelemetry.sdk.metrics.export import (
+            ConsoleMetricExporter,
+            PeriodicExportingMetricReader,
+        )
+
+        readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
     if span_file:
         tracer_provider.add_span_processor(
             BatchSpanProcessor(JsonLinesSpanExporter(span_file)))  # type: ignore[arg-type]

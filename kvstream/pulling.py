@@ -409,6 +409,7 @@ class Pulling:
                                               request_id=request_id)
             raise
         if isinstance(reply, m.Reject):
+            telemetry.count_refused("recv", reply.code)
             kind = REJECT_ERRORS.get(reply.code, TransferError)
             raise kind(f"{src_instance} refused the pull of {request_id!r}: {reply.reason}")
         try:
@@ -451,7 +452,7 @@ class Pulling:
                                 src_tag=reply.src_tag, dst_tag=dst_tag,
                                 src_contiguous=is_run(without(reply.src_blocks, reply.skip)),
                                 nblocks=len(kept))
-        except KVStreamError as exc:  # e.g. the memory was unregistered meanwhile
+        except Exception as exc:  # e.g. the memory was unregistered meanwhile
             if t.finish(TransferState.FAILED, str(exc)):
                 self._count("failed", 1)
             await self._request_abort(src_instance, t.transfer_id, str(exc))

@@ -17,8 +17,8 @@ from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     InvalidBlockError,
-    KVStreamError,
     ProtocolError,
+    TransferAbortedError,
     TransferError,
 )
 from kvstream.control import messages as m
@@ -95,8 +95,9 @@ class Pushing:
         try:
             with telemetry.step(span, "kvstream.manifest", peer=dst_instance):
                 reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
-        except KVStreamError as exc:
-            self._fail_unstarted(transfer, exc)
+        except BaseException as exc:  # cancelled too: the transfer must still end, once
+            self._fail_unstarted(transfer, exc if isinstance(exc, Exception)
+                                 else TransferAbortedError("push cancelled by the caller"))
             raise
         if isinstance(reply, m.Reject):
             exc = REJECT_ERRORS.get(reply.code, TransferError)(

@@ -389,7 +389,6 @@ class RecvStream(_Stream):
         except Exception as exc:  # torch or UCX trouble ends this transfer, not the agent
             self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
         finally:
-            telemetry.end_layer(span, h.transfer.layers_done[layer] or layer in self._staged)
             posted = self._posted.get(layer)
             # A slot with a receive still posted on it is released after the drain; a staged
             # layer's slot when it is claimed or dropped.
@@ -398,6 +397,7 @@ class RecvStream(_Stream):
                 if slot is not None:
                     env.staging.release(slot)
             limiter.release()
+            telemetry.end_layer(span, h.transfer.layers_done[layer] or layer in self._staged)
 
     def claim(self, blocks: BlockMap) -> None:
         """The engine reserved blocks for a push already (partly) staged: move it in."""

@@ -17,16 +17,17 @@ sender's layer span, linked from the receiver's. Metric names and units: README,
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics, propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
     from opentelemetry.trace import Span
 
     from kvstream.transfer import Transfer
@@ -43,13 +44,18 @@ __all__ = [
     "transfer_started",
 ]
 
+log = logging.getLogger("kvstream.telemetry")
 _tracer = trace.get_tracer("kvstream")
 _tracked: weakref.WeakSet[Any] = weakref.WeakSet()  # spans a Transfer will end
 _meter = metrics.get_meter("kvstream")
 
+# Bucket advice in the metric's own unit (the SDK's defaults suit milliseconds).
+_SECONDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0]
 _duration = _meter.create_histogram(
     "kvstream.transfer.duration", unit="s",
-    description="Time from the start of a transfer to its end, per side")
+    description="Time from the start of a transfer to its end, per side",
+    explicit_bucket_boundaries_advisory=_SECONDS)
 _bytes = _meter.create_counter(
     "kvstream.transfer.bytes", unit="By", description="Bytes moved over the data plane")
 _skipped = _meter.create_counter(
@@ -57,15 +63,19 @@ _skipped = _meter.create_counter(
     description="Bytes not moved because the destination held them (incremental)")
 _throughput = _meter.create_histogram(
     "kvstream.transfer.throughput", unit="By/s",
-    description="Wire bytes over the duration of each completed transfer")
+    description="Wire bytes over the duration of each completed transfer",
+    explicit_bucket_boundaries_advisory=[1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9, 1.6e10, 3.2e10,
+                                         6.4e10, 1.28e11])
 _ended = _meter.create_counter(
     "kvstream.transfer.ended", unit="{transfer}",
     description="Transfers ended, by side and status (completed, failed, aborted, ...)")
 _active = _meter.create_up_down_counter(
-    "kvstream.transfer.active", unit="{transfer}", description="Transfers in flight")
+    "kvstream.transfer.active", unit="{transfer}",
+    description="Transfers not yet ended (reservations and held offers included)")
 _layer_wait = _meter.create_histogram(
     "kvstream.layer.wait", unit="s",
-    description="How long the decode engine waited for a layer that had not landed")
+    description="How long the decode engine waited for a layer that had not landed",
+    explicit_bucket_boundaries_advisory=_SECONDS)
 
 
 _gauges: list[Callable[[], list[metrics.Observation]]] = []
@@ -86,16 +96,19 @@ def observe_staging(cb: Callable[[], list[metrics.Observation]]) -> Callable[[],
     return lambda: _gauges.remove(cb) if cb in _gauges else None
 
 
-def context_from(headers: Mapping[str, str] | None) -> Context | None:
-    """The remote parent a peer sent in NATS headers (None without one)."""
-    if not headers or "traceparent" not in headers:
-        return None
+def context_from(headers: Mapping[str, str] | None) -> Context:
+    """The remote parent a peer sent in NATS headers; without one an empty context, so the
+    span is a root, not a child of whatever was current when the agent started."""
+    if not headers or not headers.get("traceparent"):
+        return Context()
     return propagate.extract(dict(headers))
 
 
 def headers_of(span: Span | None) -> dict[str, str] | None:
-    """NATS headers carrying ``span`` as the remote parent (None when it is not recording)."""
-    if span is None or not span.is_recording():
+    """NATS headers carrying ``span`` as the remote parent. Sent whenever the span context
+    is valid, sampled or not, so the peer follows the same sampling decision (a no-op
+    span without an SDK is invalid: nothing is sent)."""
+    if span is None or not span.get_span_context().is_valid:
         return None
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
@@ -110,6 +123,12 @@ def current_traceparent() -> str:
 def traceparent_of(span: Span | None) -> str:
     headers = headers_of(span)
     return headers.get("traceparent", "") if headers else ""
+
+
+def count_refused(side: str, code: str) -> None:
+    """A request refused before any transfer existed (a pull of an expired offer)."""
+    _ended.add(1, {"kvstream.side": side, "kvstream.codec": "none",
+                   "kvstream.status": "failed", "kvstream.reason": f"refused_{code}"})
 
 
 def link_from(traceparent: str) -> list[Link]:
@@ -145,23 +164,27 @@ def end_untracked(span: Span, exc: BaseException) -> None:
 
 
 def transfer_started(t: Transfer) -> None:
-    """Every transfer counts (reservations and offers too) until it ends, exactly once."""
-    side = {"kvstream.side": t.side.value}
-    _active.add(1, side)
+    """Every transfer counts (reservations and offers too) until it ends."""
+    _active.add(1, {"kvstream.side": t.side.value})
 
-    def ended() -> None:
-        _active.add(-1, side)
+
+def transfer_ended(t: Transfer) -> None:
+    """Called once by ``Transfer.finish`` after its release hooks. Telemetry must never
+    break a transfer's ending: an exporter's error is logged, not raised."""
+    try:
+        _active.add(-1, {"kvstream.side": t.side.value})
         _record_end(t)
         if t.span is not None:
             _end_span(t, t.span)
-
-    t.on_release(ended)
+    except Exception:
+        log.exception("telemetry failed at the end of %r", t)
 
 
 def _record_end(t: Transfer) -> None:
     r = t.result()
     attrs = {"kvstream.side": r.side, "kvstream.codec": r.codec}
-    _duration.record(r.seconds, {**attrs, "kvstream.status": r.status})
+    if t.streamed or r.ok:  # an idle offer or reservation says nothing about latency
+        _duration.record(r.seconds, {**attrs, "kvstream.status": r.status})
     _ended.add(1, {**attrs, "kvstream.status": r.status,
                    "kvstream.reason": reason_class(r.status, r.reason)})
     if r.bytes:
@@ -198,7 +221,7 @@ def layer_span(t: Transfer, name: str, layer: int, *, start_ns: int | None = Non
         return None
     return _tracer.start_span(
         name, context=trace.set_span_in_context(parent), start_time=start_ns, links=links,
-        attributes={"kvstream.layer": layer,
+        attributes={"kvstream.layer": layer, "kvstream.transfer_id": t.transfer_id,
                     **{f"kvstream.{k}": v for k, v in attributes.items() if v is not None}})
 
 
@@ -241,11 +264,15 @@ def reason_class(status: str, reason: str) -> str:
 
 
 def end_layer(span: Span | None, ok: bool) -> None:
+    """End a layer span; never raises (it runs in the streams' ``finally`` blocks)."""
     if span is None:
         return
-    if not ok:
-        span.set_status(Status(StatusCode.ERROR, "layer did not complete"))
-    span.end()
+    try:
+        if not ok:
+            span.set_status(Status(StatusCode.ERROR, "layer did not complete"))
+        span.end()
+    except Exception:
+        log.exception("ending a layer span failed")
 
 
 def record_wait(t: Transfer, layer: int, start_ns: int) -> None:
@@ -255,6 +282,15 @@ def record_wait(t: Transfer, layer: int, start_ns: int) -> None:
     span = layer_span(t, "kvstream.wait_layer", layer, start_ns=start_ns)
     if span is not None:
         span.end()
+
+
+def record_engine_wait(layer: int, start_ns: int) -> None:
+    """An engine behind a sidecar waited for ``layer``: measured in the engine's process,
+    under its current span (the transfer's spans live in the sidecar)."""
+    _layer_wait.record((time.time_ns() - start_ns) / 1e9, {"kvstream.where": "engine"})
+    span = _tracer.start_span("kvstream.wait_layer", start_time=start_ns,
+                              attributes={"kvstream.layer": layer})
+    span.end()
 
 
 def metrics_for() -> dict[str, str]:

@@ -45,11 +45,16 @@ def load_spans(path: str) -> list[dict[str, Any]]:
 
 
 def traces(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Spans by trace id, for traces that hold a kvstream transfer."""
+    """Spans by transfer (``trace_id/transfer_id``): one engine request's trace may hold
+    several transfers, and each is drawn on its own."""
+    owner = {s["context"]["span_id"]: s["attributes"].get("kvstream.transfer_id", "")
+             for s in spans if s["name"] in TRANSFER_SPANS}
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in spans:
-        by[s["context"]["trace_id"]].append(s)
-    return {t: ss for t, ss in by.items() if any(s["name"] in TRANSFER_SPANS for s in ss)}
+        tid = s["attributes"].get("kvstream.transfer_id") or owner.get(s.get("parent_id") or "")
+        if tid:
+            by[f"{s['context']['trace_id']}/{tid}"].append(s)
+    return {k: ss for k, ss in by.items() if any(s["name"] in TRANSFER_SPANS for s in ss)}
 
 
 def _bar(s: dict[str, Any], t0: int, total: int, width: int) -> str:

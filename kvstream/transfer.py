@@ -94,6 +94,7 @@ class Transfer:
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
         self.span: Span | None = None  # its trace (kvstream.telemetry), when one is open
+        self.streamed = False  # reached STREAMING (an idle offer or reservation never does)
         telemetry.transfer_started(self)
 
     def __repr__(self) -> str:
@@ -118,6 +119,7 @@ class Transfer:
     def streaming(self) -> None:
         if self.state is TransferState.NEGOTIATING:
             self.state = TransferState.STREAMING
+            self.streamed = True
 
     def layer_done(self, layer: int) -> bool:
         """Record layer completion; False if already recorded or the transfer has ended."""
@@ -143,6 +145,7 @@ class Transfer:
         hooks, self._release = self._release, []
         for hook in hooks:
             hook()
+        telemetry.transfer_ended(self)  # last, and it never raises: releases come first
         return True
 
     def result(self) -> TransferResult:

@@ -1,0 +1,91 @@
+"""Telemetry that must never hurt a transfer, the OTEL_* switches, and span-file grouping."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstream import otel, telemetry
+from kvstream.tracefile import traces, waterfall
+from kvstream.transfer import Side, Transfer, TransferState
+
+
+class _BrokenSpan:
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attributes(self, *_: object) -> None:
+        raise RuntimeError("exporter bug")
+
+    def end(self) -> None:
+        raise RuntimeError("exporter bug")
+
+
+def test_a_failing_span_never_breaks_the_ending():
+    t = Transfer(transfer_id="t", request_id="r", side=Side.SEND, peer="p", num_layers=2,
+                 layer_bytes=10)
+    released = []
+    t.on_release(lambda: released.append(True))
+    t.span = _BrokenSpan()  # type: ignore[assignment]
+    assert t.finish(TransferState.FAILED, "x")
+    assert released == [True] and t.terminal
+    telemetry.end_layer(_BrokenSpan(), ok=False)  # logged, not raised  # type: ignore[arg-type]
+
+
+def test_no_sdk_means_no_headers_and_no_layer_spans():
+    t = Transfer(transfer_id="t", request_id="r", side=Side.RECV, peer="p", num_layers=1,
+                 layer_bytes=1)
+    span = telemetry.trace_transfer(t, telemetry.open_span("kvstream.push"))
+    assert telemetry.headers_of(span) is None and telemetry.traceparent_of(span) == ""
+    assert telemetry.layer_span(t, "kvstream.layer.send", 0) is None
+    assert telemetry.context_from({}) is not None  # an empty context: a root, never "current"
+    t.finish(TransferState.COMPLETED)
+
+
+@pytest.mark.parametrize("env,want", [
+    ({}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"}, False),
+    ({"OTEL_TRACES_EXPORTER": "console,otlp"}, True),
+])
+def test_otlp_follows_the_standard_variables(monkeypatch, env, want):
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert otel.otlp_requested() is want
+
+
+def test_sdk_disabled_and_grpc(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    otel.configure("x")()  # a no-op: no provider installed
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    from kvstream import ConfigError
+
+    with pytest.raises(ConfigError, match="http/protobuf"):
+        otel._check_protocol()
+
+
+def _span(name: str, sid: str, parent: str | None, tid: str, t0: int, t1: int, **attrs):
+    a = {"kvstream.transfer_id": tid, **attrs} if tid else dict(attrs)
+    return {"name": name, "context": {"trace_id": "0xabc", "span_id": sid}, "parent_id": parent,
+            "attributes": a, "status": {"status_code": "OK"}, "events": [],
+            "start_ns": t0, "end_ns": t1}
+
+
+def test_two_transfers_in_one_request_trace_are_drawn_apart():
+    spans = [_span("engine.request", "e", None, "", 0, 100)]
+    for tid, base in (("A", 0), ("B", 50)):
+        spans += [_span("kvstream.push", f"p{tid}", "e", tid, base, base + 40),
+                  _span("kvstream.manifest", f"m{tid}", f"p{tid}", "", base, base + 2),
+                  _span("kvstream.receive", f"r{tid}", f"p{tid}", tid, base + 1, base + 40),
+                  _span("kvstream.layer.send", f"s{tid}", f"p{tid}", tid, base + 5, base + 20,
+                        **{"kvstream.layer": 0, "kvstream.bytes": 10}),
+                  _span("kvstream.layer.receive", f"l{tid}", f"r{tid}", tid, base + 3,
+                        base + 30, **{"kvstream.layer": 0, "kvstream.bytes": 10})]
+    found = traces(spans)
+    assert sorted(found) == ["0xabc/A", "0xabc/B"]
+    for ss in found.values():
+        assert [s["name"] for s in ss].count("kvstream.layer.send") == 1
+        assert "manifest" in waterfall(ss) and "L0 send" in waterfall(ss)
