@@ -91,7 +91,7 @@ def configure(service_name: str, *, span_file: str | None = None, console: bool 
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
-        raise ConfigError("tracing needs the OpenTelemetry SDK: pip install 'kvstream[otel]'"
+        raise ConfigError("tracing needs the OpenTelemetry SDK: pip install opentelemetry-sdk"
                           ) from exc
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
                                                                 service_name)})
