@@ -31,10 +31,10 @@ from kvstream.control.nats_server import EmbeddedNats as EmbeddedNats
 from kvstream.handles import ReceiveHandle as ReceiveHandle
 from kvstream.handles import SendHandle as SendHandle
 from kvstream.layout import KVLayout as KVLayout
+from kvstream.leases import RemoteLease as RemoteLease
 from kvstream.planner import Plan as Plan
 from kvstream.planner import plan_transfer as plan_transfer
 from kvstream.prefix import block_hashes as block_hashes
-from kvstream.pulling import RemoteLease as RemoteLease
 from kvstream.shm import SharedKV as SharedKV
 from kvstream.sidecar.server import Sidecar as Sidecar
 from kvstream.transfer import TransferResult as TransferResult

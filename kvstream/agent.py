@@ -36,8 +36,9 @@ from kvstream.dataplane.staging import StagingPool
 from kvstream.dataplane.ucx import UcxWorker
 from kvstream.handles import ReceiveHandle, SendHandle
 from kvstream.layout import KVLayout
+from kvstream.leases import Leases, RemoteLease
 from kvstream.liveness import Liveness
-from kvstream.pulling import Pulling, RemoteLease
+from kvstream.pulling import Pulling
 from kvstream.pushing import Pushing
 from kvstream.streams import RecvStream, SendStream, StreamEnv
 from kvstream.transfer import Side, Transfer, TransferResult, TransferState
@@ -93,7 +94,7 @@ def _prepare_codec(mem: RegisteredKV) -> None:
     except Exception as exc:  # the first FP8 transfer reports it properly
         log.warning("preparing the FP8 kernel failed: %s", exc)
 
-class Agent(Admission, Pushing, Pulling, Liveness):
+class Agent(Admission, Pushing, Pulling, Leases, Liveness):
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
 
     def __init__(self, config: AgentConfig, *, layout: KVLayout | None = None,
