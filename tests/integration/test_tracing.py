@@ -85,3 +85,50 @@ def test_trace_command_draws_the_transfer(tmp_path, nats_server):
     out = subprocess.run([sys.executable, "-m", "kvstream.cli", "trace", str(bad)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode != 0 and "not a span" in out.stderr
+
+
+SIDECAR_CHILD = """
+import sys
+import anyio
+from opentelemetry import trace
+from kvstream import AgentConfig, Client, KVLayout, SharedKV, Sidecar
+from kvstream.otel import configure
+
+shutdown = configure("sidecar-trace", span_file=sys.argv[2], otlp=False)
+
+async def main(url, d):
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8)
+    cfg = dict(nats_url=url, heartbeat_s=0.25, peer_timeout_s=1.0)
+    async with anyio.create_task_group() as tg:
+        for name in ("tsp", "tsd"):
+            await tg.start(Sidecar(AgentConfig(instance_id=name, **cfg), f"{d}/{name}.sock").serve)
+        kp, kd = SharedKV.create(lay, 8), SharedKV.create(lay, 8)
+        async with Client.connect(f"{d}/tsp.sock") as p, Client.connect(f"{d}/tsd.sock") as dd:
+            await p.register_kv(lay, kp)
+            await dd.register_kv(lay, kd)
+            rx = await dd.expect("r", [0, 1])
+            with trace.get_tracer("engine").start_as_current_span("engine.request"):
+                tx = await p.push("r", "tsd", [2, 3])  # the span crosses the local socket
+            tx.all_ready()
+            await rx.wait()
+            await tx.wait()
+        tg.cancel_scope.cancel()
+
+anyio.run(main, sys.argv[1], sys.argv[3])
+shutdown()
+"""
+
+
+def test_engine_span_reaches_the_sidecar(tmp_path, nats_server):
+    """An engine behind a sidecar passes its current span along: the push nests under it."""
+    import subprocess
+    import sys
+
+    spans_file = tmp_path / "spans.jsonl"
+    out = subprocess.run([sys.executable, "-c", SIDECAR_CHILD, nats_server.url, str(spans_file),
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spans = {s["name"]: s for s in load_spans(str(spans_file))}
+    engine, push = spans["engine.request"], spans["kvstream.push"]
+    assert push["parent_id"] == engine["context"]["span_id"]
+    assert spans["kvstream.receive"]["parent_id"] == push["context"]["span_id"]
