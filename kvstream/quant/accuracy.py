@@ -157,8 +157,9 @@ def _kv_heads(layout: KVLayout, t: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         k, v = (t[i].transpose(0, 1).reshape(h, -1, d) for i in (0, 1))
     elif arr == "blocks_first_nhd":  # [nb, 2, bs, h, d]
         k, v = (t[:, i].reshape(-1, h, d).transpose(0, 1) for i in (0, 1))
-    elif arr == "cpu_hnbc":  # [nb, h, bs, 2*d]: K then V per head and token
-        k, v = (t[..., i * d:(i + 1) * d].transpose(0, 1).reshape(h, -1, d) for i in (0, 1))
+    elif arr == "cpu_hnbc":  # [nb, h, bs, 2*d], in memory [nb, h, 2, bs, d] (vLLM CPU)
+        kv = t.reshape(t.shape[0], h, 2, -1, d)
+        k, v = (kv[:, :, i].transpose(0, 1).reshape(h, -1, d) for i in (0, 1))
     else:
         raise ConfigError(f"attention accuracy needs separate K and V; {arr} has none")
     return k.float(), v.float()
@@ -294,7 +295,8 @@ def _write_k(layout: KVLayout, t: torch.Tensor, k: torch.Tensor) -> None:
     elif arr == "blocks_first_nhd":
         t[:, 0].copy_(k.transpose(0, 1).reshape(t[:, 0].shape))
     elif arr == "cpu_hnbc":
-        t[..., :d].copy_(k.reshape(h, t.shape[0], -1, d).transpose(0, 1))
+        t.view(t.shape[0], h, 2, -1, d)[:, :, 0].copy_(
+            k.reshape(h, t.shape[0], -1, d).transpose(0, 1))
     else:  # mla: one latent, no K of its own
         t.copy_(k.reshape(t.shape))
 

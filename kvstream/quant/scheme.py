@@ -48,7 +48,7 @@ FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 # What fp8_e4m3 encodes from and decodes into; anything else moves verbatim.
 CODEC_DTYPES: Final = frozenset({"float16", "bfloat16", "float32"})
 # Names the scale layout in the compatibility hash: change it when the layout changes.
-SCALE_LAYOUT: Final = "pow2-f32/block-plane-head"
+SCALE_LAYOUT: Final = "pow2-f32/block-plane-head/2"  # 2: cpu_hnbc groups K and V rows
 SCALE_BYTES: Final = 4
 ALIGN: Final = 64
 
@@ -73,7 +73,9 @@ def scale_groups(layout: KVLayout) -> tuple[int, int, int, int]:
         "flash_nhd": (1, bs, h, d),          # chunk [bs, h, d]: heads strided
         "flash_hnd": (h, 1, 1, bs * d),      # chunk [h, bs, d]: a head is contiguous
         "blocks_first_nhd": (2, bs, h, d),   # chunk [2, bs, h, d]: K/V and heads
-        "cpu_hnbc": (h, bs, 2, d),           # chunk [h, bs, 2*d]: K and V halves per head
+        # chunk [h, bs, 2*d] is [h, 2, bs, d] in memory: vLLM's CPU backend keeps a block's
+        # bs K rows, then its bs V rows, per head (cpu_attn.py views it so and chunks dim 2)
+        "cpu_hnbc": (2 * h, 1, 1, bs * d),
         "mla": (1, 1, 1, bs * d),            # one latent "head"
     }[layout.arrangement]
 

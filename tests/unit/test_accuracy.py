@@ -155,7 +155,9 @@ def _rearrange(nhd: torch.Tensor, arrangement: str) -> torch.Tensor:
     return {
         "flash_hnd": lambda: nhd.transpose(2, 3),
         "blocks_first_nhd": lambda: nhd.transpose(0, 1),
-        "cpu_hnbc": lambda: torch.cat([nhd[0], nhd[1]], dim=-1).transpose(1, 2),
+        # [nb, h, bs, 2*d] holding, per block and head, bs K rows then bs V rows (vLLM CPU)
+        "cpu_hnbc": lambda: nhd.permute(1, 3, 0, 2, 4).reshape(
+            nhd.shape[1], nhd.shape[3], nhd.shape[2], 2 * nhd.shape[4]),
     }[arrangement]().contiguous()
 
 

@@ -242,3 +242,19 @@ def test_backend_failures_become_quantization_errors():
         codec.encode(0, codec.mem.block_map([0, 1]), buf)
     with pytest.raises(QuantizationError, match="cannot hold"):
         codec.encode(0, codec.mem.block_map([0, 1]), buf[:-1])
+
+
+def test_cpu_layout_scales_k_and_v_rows_apart():
+    """vLLM's CPU cache keeps a block's K rows, then its V rows, per head: one scale each."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16",
+                   arrangement="cpu_hnbc")
+    t = torch.zeros(lay.tensor_shape(3), dtype=torch.float16)
+    rows = t.view(3, 2, 2, 4, 8)  # [nb, h, K|V, bs, d] as cpu_attn.py views it
+    rows[:, :, 0] = 1.0
+    rows[:, :, 1] = 100.0
+    codec = LayerCodec(RegisteredKV(lay, [t]), "fp8_e4m3")
+    buf = torch.zeros(codec.layer_bytes(1), dtype=torch.uint8)
+    codec.encode(0, codec.mem.block_map([1]), buf)
+    scales = buf[:16].view(torch.float32)  # block 1: head 0 K, head 0 V, head 1 K, head 1 V
+    assert scales[0] == scales[2] and scales[1] == scales[3]
+    assert scales[1] / scales[0] == 64  # 100 needs 2^6 more range than 1
