@@ -17,6 +17,7 @@ from kvstream._exceptions import MessageDecodeError as MessageDecodeError
 from kvstream._exceptions import NoPeerError as NoPeerError
 from kvstream._exceptions import PeerLostError as PeerLostError
 from kvstream._exceptions import ProtocolError as ProtocolError
+from kvstream._exceptions import ProxyError as ProxyError
 from kvstream._exceptions import QuantizationError as QuantizationError
 from kvstream._exceptions import TransferAbortedError as TransferAbortedError
 from kvstream._exceptions import TransferError as TransferError
@@ -64,6 +65,7 @@ __all__ = (
     "PeerLostError",
     "Plan",
     "ProtocolError",
+    "ProxyError",
     "QuantizationError",
     "ReceiveHandle",
     "RemoteLease",

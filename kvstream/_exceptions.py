@@ -21,7 +21,8 @@ msgspec, torch) are translated at the module that talks to them, with
     │   ├── TransferTimeout         deadline passed (also a ``TimeoutError``)
     │   └── LeaseExpiredError       held blocks released: nobody renewed the lease
     ├── QuantizationError
-    └── AdapterError
+    ├── AdapterError
+    └── ProxyError                  ``kvstream proxy`` could not serve a request (HTTP status)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "NoPeerError",
     "PeerLostError",
     "ProtocolError",
+    "ProxyError",
     "QuantizationError",
     "TransferAbortedError",
     "TransferError",
@@ -136,3 +138,13 @@ class QuantizationError(KVStreamError):
 
 class AdapterError(KVStreamError):
     """An engine adapter was misconfigured or its engine is missing."""
+
+
+class ProxyError(KVStreamError):
+    """The proxy could not serve a request; ``status`` is the HTTP status the client gets
+    (503: no instance of a role, 502: an engine failed) and ``code`` names the cause."""
+
+    def __init__(self, message: str, *, status: int, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code

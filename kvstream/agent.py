@@ -27,6 +27,7 @@ from kvstream._exceptions import (
 from kvstream.admission import Admission
 from kvstream.config import AgentConfig
 from kvstream.control import messages as m
+from kvstream.control.aborts import request_abort
 from kvstream.control.bus import ControlBus
 from kvstream.control.nats_server import DEFAULT_NATS_URL, EmbeddedNats, is_listening
 from kvstream.control.registry import Registry
@@ -328,16 +329,9 @@ class Agent(Admission, Pushing, Pulling, Leases, Liveness):
 
     async def _request_abort(self, peer: str, transfer_id: str, reason: str, *,
                              request_id: str = "") -> bool:
-        try:
-            reply = await self._bus_().request(
-                self.subjects.control(peer),
-                m.Abort(transfer_id=transfer_id, request_id=request_id, reason=reason,
-                        by=self.instance_id),
-                timeout=self.config.request_timeout_s, peer=peer)
-        except KVStreamError as exc:
-            log.info("abort of %s not acknowledged by %s: %s", transfer_id, peer, exc)
-            return False
-        return isinstance(reply, m.AbortAck)
+        return await request_abort(self._bus_(), self.subjects, peer, reason=reason,
+                                   by=self.instance_id, timeout=self.config.request_timeout_s,
+                                   transfer_id=transfer_id, request_id=request_id)
 
     async def _publish_done(self, peer: str, result: TransferResult) -> None:
         with contextlib.suppress(KVStreamError):

@@ -1,4 +1,4 @@
-"""The ``kvstream`` command line (click): plan, nats, bench, demo.
+"""The ``kvstream`` command line (click): plan, nats, bench, demo, sidecar, proxy.
 
 Argument errors and kvstream errors print one line and exit 2 / 1; no tracebacks.
 """
@@ -311,13 +311,15 @@ def demo(model: str, tokens: int, layer_compute_ms: float, link: str,
 @click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--model", help="refuse KV memory of any layout but this preset's")
+@click.option("--endpoint", default="",
+              help="the engine's OpenAI HTTP base URL, announced for `kvstream proxy`")
 @click.option("--trace-file", type=click.Path(dir_okay=False),
               help="append this sidecar's spans (JSON lines) here; OTEL_* variables select OTLP")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
 def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None, namespace: str,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
-            max_inflight_layers: int, max_transfers: int, model: str | None,
+            max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
             log_level: str, trace_file: str | None) -> None:
     """Run an Agent next to one engine, serving it over a Unix socket."""
     import logging
@@ -335,7 +337,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
     config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
                          nats_url=nats_url, ucx_error_handling=ucx_error_handling,
                          staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
-                         max_transfers=max_transfers)
+                         max_transfers=max_transfers, endpoint=endpoint)
     layout = _layout_from(model, None, None, None, 16, "float16")[2] if model else None
     server = Sidecar(config, socket_path, layout=layout)
     shutdown_tracing = _configure_tracing(f"kvstream-sidecar-{instance_id}", trace_file)
@@ -354,6 +356,58 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
         anyio.run(run)
     finally:
         shutdown_tracing()
+
+
+@app.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--nats-url", help="NATS URL of the registry (default: nats://127.0.0.1:4222)")
+@click.option("--no-nats", is_flag=True,
+              help="static --prefill/--decode URLs only: no discovery, no early release")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--prefill", "prefill_urls", multiple=True, metavar="URL",
+              help="a prefill engine that does not announce itself (repeatable)")
+@click.option("--decode", "decode_urls", multiple=True, metavar="URL",
+              help="a decode engine that does not announce itself (repeatable)")
+@click.option("--peer-timeout", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="seconds without a heartbeat before an instance is not routed to")
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True,
+              help="seconds for the prefill leg, and the longest silence of the decode leg")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: str,
+          prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
+          timeout: float, log_level: str) -> None:
+    """OpenAI-compatible prefill/decode proxy; engines found in the kvstream registry."""
+    import logging
+    import signal
+
+    import anyio
+    from rich.logging import RichHandler
+
+    from kvstream.control.nats_server import DEFAULT_NATS_URL
+    from kvstream.proxy import Proxy, ProxyConfig
+
+    if no_nats and nats_url:
+        raise ConfigError("--no-nats and --nats-url contradict each other")
+    logging.basicConfig(level=log_level.upper(), format="%(message)s",
+                        handlers=[RichHandler(show_path=False, markup=False)])
+    config = ProxyConfig(host=host, port=port, namespace=namespace,
+                         nats_url=None if no_nats else (nats_url or DEFAULT_NATS_URL),
+                         prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
+                         prefill_timeout_s=timeout, decode_read_timeout_s=timeout)
+
+    async def run() -> None:
+        async with Proxy(config) as server:
+            click.echo(f"kvstream proxy {server.proxy_id} listening on {server.url}"
+                       + ("" if no_nats else f" (registry {config.nats_url}, "
+                          f"namespace {namespace})"))
+            sys.stdout.flush()
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    return
+
+    anyio.run(run)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -10,9 +11,21 @@ from kvstream._exceptions import ConfigError
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane.ucx import PROGRESS_MODES
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "check_endpoint"]
 
 MiB = 1 << 20
+
+
+def check_endpoint(url: str) -> str:
+    """An engine's HTTP base URL: "" (none) or ``http(s)://host[:port][/prefix]``; the proxy
+    appends the client's path (``/v1/completions``), so no trailing '/'."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or url.endswith("/") \
+            or parts.query or parts.fragment:
+        raise ConfigError(f"endpoint {url!r} must look like http://host:port (no trailing '/')")
+    return url
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +63,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     codec: str = "none"
     # Codecs this agent receives (a manifest with another one is refused).
     accept_codecs: tuple[str, ...] = ("none", "fp8_e4m3")
+    # HTTP base URL of the engine's OpenAI server (e.g. "http://10.0.0.5:8100"), announced
+    # so that ``kvstream proxy`` can route requests here; "" = not routable by the proxy.
+    endpoint: str = ""
 
     def __post_init__(self) -> None:
         Subjects.check_instance_id(self.instance_id)
@@ -66,5 +82,6 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
 
         for codec in (self.codec, *self.accept_codecs):
             check_codec(codec)
+        check_endpoint(self.endpoint)
         if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
             raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")

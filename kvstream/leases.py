@@ -162,8 +162,10 @@ class Leases:
         failed after it was sent, or (here as a keeper) the source ended what we kept."""
         held = self._held.get(msg.request_id)
         if held is not None and msg.transfer_id in ("", held.transfer_id):
+            # Anyone may end an offer nobody pulls yet (a proxy whose decode leg failed,
+            # ``release_offer``); keepers other than the sender learn now, not at renewal.
             self._end_held(msg.request_id, TransferState.ABORTED,
-                           f"aborted by {msg.by}: {msg.reason}", tell=False)
+                           f"aborted by {msg.by}: {msg.reason}", tell=bool(held.keepers - {msg.by}))
         pulled = self._pulled.get(msg.request_id)
         if pulled is not None and not msg.transfer_id and pulled.peer == msg.by:
             pulled.stop(TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}",

@@ -42,7 +42,7 @@ class Liveness:
             instance_id=self.instance_id, role=self.config.role,
             worker_address=self.worker_address, layout=mem.layout if mem else self._layout,
             num_blocks=mem.num_blocks if mem else 0, load=float(len(self._streams)),
-            heartbeat_s=self.config.heartbeat_s, seq=self._seq))
+            heartbeat_s=self.config.heartbeat_s, seq=self._seq, endpoint=self.config.endpoint))
 
     async def _heartbeat_loop(self: Agent) -> None:
         while True:

@@ -11,7 +11,8 @@ History:
       then, compatibly (new tags, new defaulted fields): pull, renew/renew-ack, block
       hashes and skipped blocks (incremental), the "expired" status; the codec of a
       pull (``Pull.codec``, ``Pull.wire_fingerprint``) and an FP8 cache's own scales
-      (``Manifest.cache_scales``).
+      (``Manifest.cache_scales``); the engine's HTTP base URL in ``Announce.endpoint``
+      (read by ``kvstream proxy``; "" from older peers).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Announce(ControlMessage, tag="kv.announce"):
     num_blocks: int = 0
     heartbeat_s: float = 0.5
     seq: int = 0
+    # The engine's OpenAI-compatible HTTP base URL, for the proxy; "" = not routable.
+    endpoint: str = ""
 
 
 class Leave(ControlMessage, tag="kv.leave"):

@@ -1,0 +1,89 @@
+"""An ``Agent`` on its own event-loop thread, for engines that call from plain threads.
+
+Engine adapters live inside the engine's worker process and are called from its
+(synchronous) model-runner thread: they cannot await. The agent runs in a daemon thread
+behind an anyio ``BlockingPortal``; the engine thread submits per-request work (an offer, a
+pull: well under a millisecond each) and never blocks on a transfer. Results come back
+through a thread-safe queue the engine drains at its own pace.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.from_thread
+
+from kvstream._exceptions import AdapterError
+from kvstream.agent import Agent
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.config import AgentConfig
+    from kvstream.layout import KVLayout
+
+__all__ = ["AgentRuntime"]
+
+log = logging.getLogger("kvstream.adapters")
+
+T = TypeVar("T")
+
+
+class AgentRuntime:
+    """Starts an agent with the engine's KV registered; ``close()`` stops it."""
+
+    def __init__(self, config: AgentConfig, layout: KVLayout, layers: Sequence[torch.Tensor], *,
+                 start_timeout_s: float = 30.0) -> None:
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self.portal = self._portal_cm.__enter__()
+        self._stop: anyio.Event | None = None
+        self.agent: Agent | None = None
+        ready: concurrent.futures.Future[Agent] = concurrent.futures.Future()
+
+        async def main() -> None:
+            self._stop = anyio.Event()
+            try:
+                async with Agent(config, layout=layout, kv_caches=layers) as agent:
+                    ready.set_result(agent)
+                    await self._stop.wait()
+            except BaseException as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+                raise
+
+        self._main = self.portal.start_task_soon(main)
+        try:
+            self.agent = ready.result(timeout=start_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._portal_cm.__exit__(None, None, None)
+            raise AdapterError(f"the kvstream agent did not start within {start_timeout_s} s "
+                               f"(NATS at {config.nats_url or 'the default URL'}?)") from None
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def call(self, fn: Callable[..., T | Awaitable[T]], *args: Any) -> T:
+        """Run ``fn`` on the agent's loop and wait for it (keep it short)."""
+        return self.portal.call(fn, *args)  # type: ignore[arg-type]
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> concurrent.futures.Future[Any]:
+        """Start ``fn`` on the agent's loop without waiting."""
+        return self.portal.start_task_soon(fn, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight (peers are told), leave the registry, stop the thread."""
+        if self.agent is None:
+            return
+        self.agent = None
+        stop = self._stop
+        if stop is not None:
+            try:
+                self.portal.call(stop.set)
+                self._main.result(timeout=timeout)
+            except Exception as exc:  # closing must not raise into engine shutdown
+                log.warning("kvstream agent did not stop cleanly: %r", exc)
+        self._portal_cm.__exit__(None, None, None)

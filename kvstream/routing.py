@@ -1,0 +1,93 @@
+"""Which engine gets a request: static URLs plus the registry's live instances.
+
+Pure bookkeeping for ``kvstream proxy`` (the clock is injected through the ``Registry``):
+the proxy feeds it the registry's announcements and asks it where to send a leg. Engines
+are routed by their HTTP endpoint, so the kvstream instances of one engine's TP ranks,
+which all announce the same endpoint, collapse into one ``Instance``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
+
+import msgspec
+
+from kvstream.config import check_endpoint
+from kvstream.control import messages as m
+from kvstream.control.registry import Registry
+
+__all__ = ["Directory", "Instance", "LegRole", "pick"]
+
+LegRole = Literal["prefill", "decode"]
+
+
+class Instance(msgspec.Struct, frozen=True, kw_only=True):
+    """A routable engine: its HTTP base URL and what the registry says about it."""
+
+    url: str
+    # kvstream instances announcing this URL (several for TP ranks); () for a static URL.
+    instance_ids: tuple[str, ...] = ()
+    load: float = 0.0  # the largest ``Announce.load`` among them (transfers in flight)
+
+
+def pick(instances: Sequence[Instance], inflight: Mapping[str, int], turn: int) -> Instance | None:
+    """The least loaded instance, None if there is none.
+
+    Least loaded = fewest requests this proxy has in flight there (what it knows for
+    sure, at once), then the lowest announced load (other proxies' and engines' work,
+    up to a heartbeat old); among what still ties, round robin by ``turn`` (ties ordered
+    by URL, so consecutive turns walk through them).
+    """
+    if not instances:
+        return None
+
+    def key(i: Instance) -> tuple[int, float]:
+        return inflight.get(i.url, 0), i.load
+
+    best = min(key(i) for i in instances)
+    ties = sorted((i for i in instances if key(i) == best), key=lambda i: i.url)
+    return ties[turn % len(ties)]
+
+
+class Directory:
+    """Where requests can go: the static URLs, and every instance whose announcement has
+    an endpoint and whose heartbeat is fresh (``peer_timeout_s``)."""
+
+    def __init__(self, *, prefill: Iterable[str] = (), decode: Iterable[str] = (),
+                 peer_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = Registry(peer_timeout_s=peer_timeout_s, clock=clock)
+        self._static: dict[LegRole, list[str]] = {
+            "prefill": list(dict.fromkeys(check_endpoint(u.rstrip("/")) for u in prefill)),
+            "decode": list(dict.fromkeys(check_endpoint(u.rstrip("/")) for u in decode)),
+        }
+
+    def observe(self, msg: m.ControlUnion) -> None:
+        """Feed one registry message (announcement or goodbye)."""
+        match msg:
+            case m.Announce():
+                self.registry.observe(msg)
+            case m.Leave():
+                self.registry.leave(msg.instance_id)
+
+    def instances(self, role: LegRole) -> list[Instance]:
+        """Routable instances for one leg ("both" instances serve either)."""
+        found: dict[str, Instance] = {url: Instance(url=url) for url in self._static[role]}
+        announced: dict[str, list[m.Announce]] = {}
+        for a in self.registry.instances(role):
+            if a.endpoint:
+                announced.setdefault(a.endpoint.rstrip("/"), []).append(a)
+        for url, group in announced.items():
+            found[url] = Instance(url=url, instance_ids=tuple(sorted(a.instance_id for a in group)),
+                                  load=max(a.load for a in group))
+        return list(found.values())
+
+    def engine_instances(self, engine_id: str) -> list[str]:
+        """The kvstream instances behind one engine id: itself, or its TP ranks
+        (``<id>-tp<rank>``) when those are what announced. Unknown: ``[engine_id]``."""
+        rank = re.compile(re.escape(engine_id) + r"-tp\d+")
+        ids = [a.instance_id for a in self.registry.instances()
+               if a.instance_id == engine_id or rank.fullmatch(a.instance_id)]
+        return sorted(ids) or [engine_id]

@@ -1,0 +1,178 @@
+"""Real vLLM engines in their own processes, driven over a pipe, and the tiny model they serve.
+
+Each ``Engine`` is a process (its own session, so a test can SIGKILL it with its engine
+core) holding one ``vllm.LLMEngine`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the
+scheduler-role connector lives in the engine-core process, the worker-role one in the
+worker. Commands go over a pipe; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+VOCAB = 1000
+
+
+def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 4-layer Llama with random (seeded) weights and a word-level tokenizer, no hub."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if (path / "config.json").exists():
+        return path
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=1024, initializer_range=0.5,  # 0.02 repeats a token
+                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
+                            eos_token="w2").save_pretrained(path)
+    return path
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]  # no bos/eos inside
+
+
+def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[str, str]) -> None:
+    os.setsid()  # the test kills the whole group (engine core included)
+    os.environ.update(env)
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args = EngineArgs(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK,
+                      max_model_len=512, max_num_seqs=8, seed=0,
+                      kv_transfer_config=kv_config)
+    engine = LLMEngine.from_engine_args(args)
+    conn.send(("ready", os.getpid()))
+
+    def run(jobs: list[dict[str, Any]], abort_after_add: bool = False) -> list[dict[str, Any]]:
+        ids = []
+        for i, job in enumerate(jobs):
+            rid = f"{job.get('tag', 'r')}-{i}-{time.monotonic_ns()}"
+            extra = {"kv_transfer_params": job["params"]} if job.get("params") else None
+            sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                                extra_args=extra)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=job["prompt"]), sp)
+            ids.append(rid)
+        if abort_after_add:
+            engine.abort_request(ids)
+        out: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                         "kv_transfer_params": o.kv_transfer_params,
+                                         "num_cached_tokens": o.num_cached_tokens,
+                                         "finish_reason": o.outputs[0].finish_reason}
+        # (No idle steps here: step() blocks without requests. The engine core keeps
+        # stepping on its own while a connector holds finished requests' blocks.)
+        return [out.get(r, {}) for r in ids]
+
+    while True:
+        if not conn.poll(600):
+            return
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            if cmd == "generate":
+                conn.send(("ok", run(arg)))
+            elif cmd == "abort_after_add":
+                conn.send(("ok", run(arg, abort_after_add=True)))
+            else:
+                conn.send(("error", f"unknown command {cmd}"))
+        except Exception as exc:  # reported to the test, which fails with it
+            conn.send(("error", repr(exc)))
+
+
+class Engine:
+    """A vLLM engine process; ``generate([{prompt, max_tokens, params}])`` -> outputs."""
+
+    def __init__(self, model: Path, kv_config: dict[str, Any] | None, *, env: dict[str, str],
+                 start_timeout: float = 240.0) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, str(model), kv_config, env),
+                                daemon=False)
+        self.proc.start()
+        self.pid = self._recv(start_timeout)
+
+    def _recv(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"vLLM engine did not answer within {timeout} s")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"vLLM engine: {value}")
+        return value
+
+    def call(self, cmd: str, arg: Any = None, timeout: float = 180.0) -> Any:
+        self._conn.send((cmd, arg))
+        return self._recv(timeout)
+
+    def generate(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.call("generate", jobs)
+
+    def kill(self) -> None:
+        """SIGKILL the engine, its engine core and workers (no goodbye to peers)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.join(30)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):
+                self.call("stop", timeout=30)
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.kill()
+        else:
+            try:  # children the engine left behind
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def kv_config(role: str, nats_url: str, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "kv_connector": "KVStreamConnector",
+        "kv_connector_module_path": "kvstream.adapters.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"nats_url": nats_url, **extra},
+    }
+    if role == "kv_consumer":
+        cfg["kv_load_failure_policy"] = "recompute"
+    return cfg
+
+
+def engine_env(events: Path) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+            "KVSTREAM_VLLM_EVENTS": str(events), "TOKENIZERS_PARALLELISM": "false",
+            # Two engines share 2 cores: one unbound, passive OpenMP thread each, or an
+            # engine stepping while it holds offered blocks starves the other.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
