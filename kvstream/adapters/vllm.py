@@ -25,7 +25,8 @@ and routers written for ``NixlConnector`` work unchanged.
 
 ``kv_connector_extra_config`` keys: ``nats_url`` (default: the local server, embedded if
 none), ``namespace``, ``instance_id`` (default ``vllm-<engine_id>``), ``codec`` ("none" or
-"fp8_e4m3", asked for by the decode side), ``lease_s``, ``peer_timeout_s``,
+"fp8_e4m3", asked for by the decode side; a request's ``kv_transfer_params["kvstream"]
+["codec"]`` overrides it), ``lease_s``, ``peer_timeout_s``,
 ``transfer_timeout_s``, ``endpoint`` (the engine's HTTP URL, announced for ``kvstream
 proxy``), ``arrangement`` (override the KV layout detection), ``mode`` ("pull"; push to
 staging is not offered for vLLM yet).
@@ -96,8 +97,9 @@ class KVStreamMetadata(KVConnectorMetadata):
     abort_offer: list[str] = field(default_factory=list)
     # decode: request id -> (source instance, its request id)
     keep: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # decode: request id -> (source, its request id, local blocks, have hashes, local hits)
-    pull: dict[str, tuple[str, str, list[int], list[int], int]] = field(default_factory=dict)
+    # decode: request id -> (source, its request id, local blocks, have hashes, local hits,
+    # wire codec)
+    pull: dict[str, tuple[str, str, list[int], list[int], int, str]] = field(default_factory=dict)
     abort_pull: list[str] = field(default_factory=list)
     # decode: (source, its request id) holds to drop without pulling
     release: list[tuple[str, str, str]] = field(default_factory=list)
@@ -294,7 +296,9 @@ class KVStreamConnector(KVConnectorBase_V1):
         local = sum(1 for b in group[:nblocks] if b.block_hash is not None and not b.is_null)
         ids = _flat(blocks.get_block_ids())[:nblocks]
         have = block_hashes(prompt, self._block_size)[:local]
-        self._meta.pull[rid] = (*remote, ids, have, local)
+        ours = params.get("kvstream")
+        codec = str(ours.get("codec") or self._codec) if isinstance(ours, dict) else self._codec
+        self._meta.pull[rid] = (*remote, ids, have, local, codec)
         self._loading[rid] = remote
         self._events("pull_scheduled", request_id=rid, src=remote[0], remote_request_id=remote[1],
                      external_tokens=num_external_tokens, local_blocks=local, blocks=len(ids))
@@ -380,7 +384,7 @@ class KVStreamConnector(KVConnectorBase_V1):
         ex = self._extra
         kw: dict[str, Any] = {k: ex[k] for k in ("lease_s", "peer_timeout_s", "transfer_timeout_s",
                                                  "heartbeat_s", "request_timeout_s",
-                                                 "staging_bytes") if k in ex}
+                                                 "staging_bytes", "endpoint") if k in ex}
         role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(
             self._kv_transfer_config.kv_role or "", "both")
         try:
@@ -500,15 +504,14 @@ class KVStreamConnector(KVConnectorBase_V1):
         self._events("released", src=src, remote_request_id=rrid, reason=reason)
 
     async def _pull(self, rid: str, src: str, rrid: str, blocks: list[int], have: list[int],
-                    local: int) -> None:
+                    local: int, codec: str) -> None:
         agent = self._runtime.agent if self._runtime else None
         res: TransferResult | None = None
         why = ""
         try:
             if agent is None:
                 raise AdapterError("agent closed")
-            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have,
-                                      codec=self._codec)
+            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have, codec=codec)
             self._pulls[rid] = handle
             if rid in self._cancelled:
                 await handle.abort("the decode request ended")
@@ -518,9 +521,12 @@ class KVStreamConnector(KVConnectorBase_V1):
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pulls.pop(rid, None)
+            cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
         ok = res is not None and res.ok
-        if not ok:
+        if cancelled:
+            log.info("pull of %s from %s aborted: the decode request ended", rrid, src)
+        elif not ok:
             log.warning("pull of %s from %s failed (%s): vLLM recomputes it", rrid, src, why)
         self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok,
                      reason=why, bytes=res.bytes if res else 0,
@@ -529,11 +535,12 @@ class KVStreamConnector(KVConnectorBase_V1):
         self._results.put(("recv", rid, ok, blocks[local:]))
 
     async def _abort_pull(self, rid: str) -> None:
+        if rid not in self._pulls:
+            return
+        self._cancelled.add(rid)
         handle = self._pulls.get(rid)
         if handle is not None:
             await handle.abort("the decode request ended")
-        elif rid in self._pulls:
-            self._cancelled.add(rid)
 
     # -- results, polled every step ----------------------------------------------------
     def _drain(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:

@@ -91,7 +91,7 @@ def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[st
         cmd, arg = conn.recv()
         if cmd == "stop":
             conn.send(("ok", None))
-            return
+            os._exit(0)  # the test kills the rest of the group; vLLM's own exit is slow
         try:
             if cmd == "generate":
                 conn.send(("ok", run(arg)))
@@ -113,7 +113,15 @@ class Engine:
         self.proc = ctx.Process(target=_serve, args=(child, str(model), kv_config, env),
                                 daemon=False)
         self.proc.start()
-        self.pid = self._recv(start_timeout)
+        self._start_timeout = start_timeout
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """Waits for the engine to be ready (start several, then read their pids)."""
+        if self._pid is None:
+            self._pid = self._recv(self._start_timeout)
+        return self._pid
 
     def _recv(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
@@ -124,6 +132,7 @@ class Engine:
         return value
 
     def call(self, cmd: str, arg: Any = None, timeout: float = 180.0) -> Any:
+        assert self.pid
         self._conn.send((cmd, arg))
         return self._recv(timeout)
 
@@ -133,21 +142,20 @@ class Engine:
     def kill(self) -> None:
         """SIGKILL the engine, its engine core and workers (no goodbye to peers)."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.join(30)
 
     def stop(self) -> None:
-        if self.proc.is_alive():
+        if self._pid is not None and self.proc.is_alive():
             with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):
                 self.call("stop", timeout=30)
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.kill()
-        else:
-            try:  # children the engine left behind
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.proc.join(5)
+        if self._pid is None:
+            self.proc.kill()
+            self.proc.join(10)
+        with contextlib.suppress(ProcessLookupError):  # engine core and workers
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
 
 
 def kv_config(role: str, nats_url: str, **extra: Any) -> dict[str, Any]:
