@@ -43,12 +43,13 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstream import otel
 from kvstream._exceptions import AdapterError, ConfigError, KVStreamError
 from kvstream.config import AgentConfig
 from kvstream.layout import KVLayout
@@ -85,7 +86,7 @@ _REQUIRED = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remot
              "remote_port")
 _EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_s",
                          "peer_timeout_s", "transfer_timeout_s", "endpoint", "arrangement",
-                         "mode", "host", "heartbeat_s", "request_timeout_s", "staging_bytes"})
+                         "mode", "host", "trace_file", "heartbeat_s", "request_timeout_s", "staging_bytes"})
 
 
 @dataclass
@@ -228,6 +229,7 @@ class KVStreamConnector(KVConnectorBase_V1):
         self._pulls: dict[str, ReceiveHandle | None] = {}  # on the agent's loop only
         self._cancelled: set[str] = set()
         self._offers: dict[str, SendHandle] = {}
+        self._otel_close: Callable[[], None] | None = None
         if role == KVConnectorRole.WORKER and self._tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -400,6 +402,11 @@ class KVStreamConnector(KVConnectorBase_V1):
         if self._runtime is not None:
             raise AdapterError("register_kv_caches called twice")
         layout, layers = layout_of_vllm_caches(kv_caches, arrangement=self._extra.get("arrangement"))
+        trace_file = self._extra.get("trace_file")
+        if trace_file or otel.otlp_requested():
+            # Spans of this worker's transfers: a JSON-lines file (``kvstream trace`` draws
+            # it) and/or OTLP per the OTEL_* variables; the peer's spans join by traceparent.
+            self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
         self._runtime = AgentRuntime(self._agent_config(), layout, layers)
         self._events("registered", instance=self._instance, layout=layout.describe(),
                      fingerprint=layout.fingerprint)
@@ -586,3 +593,6 @@ class KVStreamConnector(KVConnectorBase_V1):
         if self._runtime is not None:
             rt, self._runtime = self._runtime, None
             rt.close()
+        close, self._otel_close = self._otel_close, None
+        if close is not None:
+            close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -144,7 +145,14 @@ class ControlBus:
         try:
             await self._nc.drain()
         except Exception:  # closing a broken connection must not mask the real error
-            await self._nc.close()
+            try:
+                await self._nc.close()
+            except asyncio.CancelledError:
+                # nats-py cancels its own transport waiter when the server is already gone;
+                # only a cancellation of this task goes on.
+                task = asyncio.current_task()
+                if task is not None and getattr(task, "cancelling", lambda: 1)():
+                    raise
 
 
 async def _log_error(exc: Exception) -> None:

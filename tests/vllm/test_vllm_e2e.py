@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,13 +44,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     env = E.engine_env(events)
     with EmbeddedNats() as nats:
         # Both start at once (the constructor does not wait; .pid does).
-        prefill = E.Engine(model, E.kv_config("kv_producer", nats.url, instance_id="prefill-0"),
+        prefill = E.Engine(model, E.kv_config("kv_producer", nats.url, instance_id="prefill-0",
+                                              trace_file=str(root / "prefill-spans.jsonl")),
                            env=env)
-        decode = E.Engine(model, E.kv_config("kv_consumer", nats.url, instance_id="decode-0"),
+        decode = E.Engine(model, E.kv_config("kv_consumer", nats.url, instance_id="decode-0",
+                                             trace_file=str(root / "decode-spans.jsonl")),
                           env=env)
         try:
             assert prefill.pid and decode.pid
-            yield {"nats": nats, "model": model, "events": events, "env": env,
+            yield {"nats": nats, "model": model, "events": events, "env": env, "root": root,
                    "prefill": prefill, "decode": decode}
         finally:
             decode.stop()
@@ -114,6 +115,31 @@ def test_decode_tokens_equal_colocated_and_prompt_kv_is_loaded(cluster):
         assert pulled[0]["skipped"] == 0
         ended = _wait_events(cluster, "offer_ended", request_id=rid)
         assert [e["status"] for e in ended] == ["completed"]
+
+
+def test_one_trace_per_transfer_across_both_engines(cluster):
+    """Each worker writes its spans (trace_file); a pull's trace holds the decode side's
+    ``kvstream.pull`` and the prefill side's ``kvstream.serve_pull``, joined by traceparent."""
+    from kvstream.tracefile import load_spans
+
+    p = E.prompt(50, 5)
+    kv = prefill(cluster["prefill"], [p])[0]
+    decode(cluster, [p], [kv])
+    pulls: list[dict[str, Any]] = []
+    serves: list[dict[str, Any]] = []
+    end = time.monotonic() + 20  # span batches are flushed every few seconds
+    while time.monotonic() < end:
+        time.sleep(1)
+        spans = [s for f in ("prefill-spans.jsonl", "decode-spans.jsonl")
+                 if (cluster["root"] / f).exists() for s in load_spans(str(cluster["root"] / f))]
+        pulls = [s for s in spans if s["name"] == "kvstream.pull"
+                 and s["attributes"].get("kvstream.request_id") == kv["remote_request_id"]]
+        serves = [s for s in spans if s["name"] == "kvstream.serve_pull"
+                  and s["attributes"].get("kvstream.request_id") == kv["remote_request_id"]]
+        if pulls and serves:
+            break
+    assert len(pulls) == 1 and len(serves) == 1, (pulls, serves)
+    assert pulls[0]["context"]["trace_id"] == serves[0]["context"]["trace_id"]
 
 
 def test_the_loaded_kv_decides_the_tokens(cluster):

@@ -24,6 +24,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import contextlib
+
 from kvstream import EmbeddedNats
 
 try:  # tests/vllm as a package, or as a plain directory on sys.path
@@ -51,10 +53,8 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait(30)
 
 
