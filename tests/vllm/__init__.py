@@ -1,0 +1,1 @@
+"""Tests against real vLLM engines (skipped where vLLM is not installed)."""
