@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 
 from kvstream import EmbeddedNats
 
-try:  # tests/vllm as a package, or as a plain directory on sys.path
+try:  # tests/with_vllm as a package, or as a plain directory on sys.path
     from . import engines as E
 except ImportError:
     import engines as E  # type: ignore[no-redef]

@@ -18,7 +18,7 @@ vLLM ships its tests only in its source distribution. This module
 
 Nothing from vLLM is copied into this repository. Command line (from the repo root)::
 
-    /path/to/vllm-venv/bin/python tests/vllm/upstream.py [--alias-off] [NODE_ID ...]
+    /path/to/vllm-venv/bin/python tests/with_vllm/upstream.py [--alias-off] [NODE_ID ...]
 
 Environment: ``KVSTREAM_VLLM_SDIST_CACHE`` overrides the cache root,
 ``KVSTREAM_VLLM_SDIST_VERSION`` the sdist version (default: the installed vLLM's).
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PLUGIN = "kvstream_nixl_alias"  # tests/vllm/kvstream_nixl_alias.py
+PLUGIN = "kvstream_nixl_alias"  # tests/with_vllm/kvstream_nixl_alias.py
 UNIT = "tests/v1/kv_connector/unit"
 FAKE_MODEL = "facebook/opt-125m"
 # A fixed, obviously fake snapshot id for the offline cache entry.
@@ -92,7 +92,7 @@ DESELECTED: dict[str, str] = {
 BASELINE_EXCLUDED: dict[str, str] = {}
 
 _PYTEST_INI = """\
-# Written by kvstream tests/vllm/upstream.py: the upstream run's own pytest config, so
+# Written by kvstream tests/with_vllm/upstream.py: the upstream run's own pytest config, so
 # that kvstream's pyproject settings (filterwarnings = error, ...) never apply to it.
 [pytest]
 markers =

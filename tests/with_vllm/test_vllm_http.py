@@ -28,7 +28,7 @@ import contextlib
 
 from kvstream import EmbeddedNats
 
-try:  # tests/vllm as a package, or as a plain directory on sys.path
+try:  # tests/with_vllm as a package, or as a plain directory on sys.path
     from . import engines as E
     from . import upstream
 except ImportError:

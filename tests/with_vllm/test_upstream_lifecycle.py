@@ -1,7 +1,7 @@
 """vLLM's own KV-connector lifecycle tests, run against KVStreamConnector.
 
 The tests come from the vLLM sdist matching the installed vLLM, fetched and cached at
-test time by ``tests/vllm/upstream.py`` (never committed), and run in a subprocess with
+test time by ``tests/with_vllm/upstream.py`` (never committed), and run in a subprocess with
 the ``kvstream_nixl_alias`` plugin, which makes ``"NixlConnector"`` (the default of
 upstream ``utils.create_vllm_config``) load ``kvstream.adapters.vllm.KVStreamConnector``.
 The same selection also runs with ``KVSTREAM_ALIAS_OFF=1`` (vLLM's NIXL scheduler code)
@@ -71,7 +71,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-try:  # tests/vllm as a package, or as a plain directory on sys.path
+try:  # tests/with_vllm as a package, or as a plain directory on sys.path
     from . import upstream
 except ImportError:
     import upstream  # type: ignore[no-redef]
