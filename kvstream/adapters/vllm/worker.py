@@ -1,0 +1,301 @@
+"""The worker role of ``KVStreamConnector`` (each vLLM worker process): registers the KV
+tensors with an in-process Agent (on its own thread) and carries out the scheduler's
+decisions: offers after the step's forward, keeps, pulls, releases, aborts. Results flow
+back to vLLM through ``get_transfer_results`` exactly once per request."""
+
+from __future__ import annotations
+
+import queue
+import re
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvstream import otel
+from kvstream._exceptions import AdapterError, ConfigError, KVStreamError
+from kvstream.adapters.vllm.common import KVStreamMetadata, Side, log
+from kvstream.config import AgentConfig
+from kvstream.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from kvstream.adapters.runtime import AgentRuntime
+    from kvstream.handles import ReceiveHandle, SendHandle
+    from kvstream.transfer import TransferResult
+
+__all__ = ["WorkerSide", "layout_of_vllm_caches"]
+
+
+def layout_of_vllm_caches(kv_caches: dict[str, torch.Tensor], *,
+                          arrangement: str | None = None) -> tuple[KVLayout, list[torch.Tensor]]:
+    """The kvstream layout of vLLM's per-layer KV tensors, and the tensors in layer order.
+
+    vLLM 0.32 hands the CPU backend ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``
+    per layer (per block and head: block_size K rows, then block_size V rows); FlashAttention
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Layers sharing one tensor (KV
+    sharing) are registered once. Anything else needs an explicit ``arrangement``.
+    """
+    if not kv_caches:
+        raise AdapterError("vLLM registered no KV cache tensors")
+
+    def order(name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,)
+
+    layers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for name in sorted(kv_caches, key=lambda n: (order(n), n)):
+        t = kv_caches[name]
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        if not t.is_contiguous():
+            raise AdapterError(f"KV cache of {name} is not contiguous (shape {tuple(t.shape)}, "
+                               f"stride {t.stride()}): use a layer-outermost KV layout")
+        layers.append(t)
+    first = layers[0]
+    shape = tuple(first.shape)
+    if any(tuple(t.shape) != shape or t.dtype != first.dtype for t in layers):
+        raise AdapterError("vLLM's KV layers differ in shape or dtype (hybrid models are not "
+                           "supported yet)")
+    dtype = str(first.dtype).removeprefix("torch.")
+    if arrangement is None:
+        if len(shape) == 4 and first.device.type == "cpu":
+            arrangement = "cpu_hnbc"
+        elif len(shape) == 5 and shape[0] == 2:
+            arrangement = "flash_nhd"
+        else:
+            raise AdapterError(f"unknown vLLM KV layout {shape} on {first.device}; set "
+                               "kv_connector_extra_config.arrangement")
+    if arrangement == "cpu_hnbc":
+        _, h, bs, d2 = shape
+        d = d2 // 2
+    elif arrangement == "flash_nhd":
+        _, _, bs, h, d = shape
+    elif arrangement == "flash_hnd":
+        _, _, h, bs, d = shape
+    else:
+        raise AdapterError(f"arrangement {arrangement!r} is not supported for vLLM")
+    layout = KVLayout(num_layers=len(layers), num_kv_heads=h, head_dim=d, block_size=bs,
+                      dtype=dtype, arrangement=arrangement)
+    return layout, layers
+
+
+class WorkerSide(Side):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config, "worker")
+        self._runtime: AgentRuntime | None = None
+        self._results: queue.SimpleQueue[tuple[str, str, bool, list[int]]] = queue.SimpleQueue()
+        self._sent: set[str] = set()          # offers ended, waiting for vLLM to finish the request
+        self._finished: set[str] = set()      # requests vLLM said finished
+        self._load_errors: set[int] = set()
+        self._pulls: dict[str, ReceiveHandle | None] = {}  # on the agent's loop only
+        self._cancelled: set[str] = set()
+        self._offers: dict[str, SendHandle] = {}
+        self._otel_close: Callable[[], None] | None = None
+        if self._tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._instance = f"{self._instance}-tp{get_tensor_model_parallel_rank()}"
+
+    def _agent_config(self) -> AgentConfig:
+        ex = self._extra
+        kw: dict[str, Any] = {k: ex[k] for k in ("lease_s", "peer_timeout_s", "transfer_timeout_s",
+                                                 "heartbeat_s", "request_timeout_s",
+                                                 "staging_bytes", "endpoint") if k in ex}
+        role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(
+            self._kv_transfer_config.kv_role or "", "both")
+        try:
+            return AgentConfig(instance_id=self._instance, role=role,  # type: ignore[arg-type]
+                               namespace=self._namespace, nats_url=ex.get("nats_url"),
+                               codec=self._codec, **kw)
+        except TypeError as exc:
+            raise ConfigError(f"bad kv_connector_extra_config: {exc}") from exc
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvstream.adapters.runtime import AgentRuntime
+
+        if self._runtime is not None:
+            raise AdapterError("register_kv_caches called twice")
+        layout, layers = layout_of_vllm_caches(kv_caches, arrangement=self._extra.get("arrangement"))
+        trace_file = self._extra.get("trace_file")
+        if trace_file or otel.otlp_requested():
+            # Spans of this worker's transfers: a JSON-lines file (``kvstream trace`` draws
+            # it) and/or OTLP per the OTEL_* variables; the peer's spans join by traceparent.
+            self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
+        self._runtime = AgentRuntime(self._agent_config(), layout, layers)
+        self._events("registered", instance=self._instance, layout=layout.describe(),
+                     fingerprint=layout.fingerprint)
+        log.info("kvstream agent %s registered %s", self._instance, layout.describe())
+
+    def _rt(self) -> AgentRuntime:
+        if self._runtime is None:
+            raise AdapterError("KV caches not registered with KVStreamConnector")
+        return self._runtime
+
+    def start_load_kv(self, meta: KVStreamMetadata | None) -> None:
+        if meta is None:
+            return
+        rt = self._runtime
+        if rt is None:
+            for rid, job in meta.pull.items():
+                self._results.put(("recv", rid, False, job[2][job[4]:]))
+            return
+        for src, rrid in meta.keep.values():
+            rt.spawn(self._keep, self._src(src), rrid)
+        for src, rrid, reason in meta.release:
+            rt.spawn(self._release, self._src(src), rrid, reason)
+        for rid, job in meta.pull.items():
+            self._pulls[rid] = None
+            rt.spawn(self._pull, rid, self._src(job[0]), *job[1:])
+        for rid in meta.abort_pull:
+            rt.spawn(self._abort_pull, rid)
+
+    def _src(self, src: str) -> str:
+        """D rank r pulls from P rank r (equal tensor parallelism on both sides)."""
+        return f"{src}-tp{self._instance.rsplit('-tp', 1)[1]}" if self._tp_size > 1 else src
+
+    def wait_for_save(self, meta: KVStreamMetadata | None) -> None:
+        if meta is None or not (meta.offer or meta.abort_offer):
+            return
+        rt = self._rt()
+        if meta.offer and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the forward wrote the blocks
+        for rid, (blocks, hashes) in meta.offer.items():
+            try:
+                handle = rt.call(self._offer, rid, blocks, hashes)
+            except KVStreamError as exc:
+                log.error("offer of %s failed: %s", rid, exc)
+                self._results.put(("send", rid, False, []))
+                continue
+            self._offers[rid] = handle
+            rt.spawn(self._watch_offer, rid, handle)
+        for rid in meta.abort_offer:
+            handle = self._offers.get(rid)
+            if handle is not None:
+                rt.spawn(handle.abort, "the prefill request did not finish normally")
+
+    # -- on the agent's loop --------------------------------------------------------------
+    def _offer(self, rid: str, blocks: list[int], hashes: list[int]) -> SendHandle:
+        agent = self._rt().agent
+        assert agent is not None
+        handle = agent.offer(rid, blocks, block_hashes=hashes, mode="eager",
+                             lease_s=self._extra.get("lease_s"))
+        handle.all_ready()
+        self._events("offered", request_id=rid, blocks=len(blocks), instance=self._instance)
+        return handle
+
+    async def _watch_offer(self, rid: str, handle: SendHandle) -> None:
+        res = await handle.result()
+        self._events("offer_ended", request_id=rid, status=res.status, reason=res.reason,
+                     bytes=res.bytes, skipped=res.bytes_skipped, codec=res.codec)
+        self._results.put(("send", rid, res.ok, []))
+
+    async def _keep(self, src: str, rrid: str) -> None:
+        agent = self._runtime.agent if self._runtime else None
+        if agent is None:
+            return
+        try:
+            await agent.keep(rrid, src)
+        except KVStreamError as exc:
+            log.warning("keeping %s at %s failed (the pull will report it): %s", rrid, src, exc)
+
+    async def _release(self, src: str, rrid: str, reason: str) -> None:
+        agent = self._runtime.agent if self._runtime else None
+        if agent is None:
+            return
+        lease = agent._wanted.get((src, rrid))
+        from kvstream.leases import RemoteLease
+
+        if isinstance(lease, RemoteLease):
+            await lease.release(reason)
+        else:
+            await agent._request_abort(src, "", reason, request_id=rrid)
+        self._events("released", src=src, remote_request_id=rrid, reason=reason)
+
+    async def _pull(self, rid: str, src: str, rrid: str, blocks: list[int], have: list[int],
+                    local: int, codec: str) -> None:
+        agent = self._runtime.agent if self._runtime else None
+        res: TransferResult | None = None
+        why = ""
+        try:
+            if agent is None:
+                raise AdapterError("agent closed")
+            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have, codec=codec)
+            self._pulls[rid] = handle
+            if rid in self._cancelled:
+                await handle.abort("the decode request ended")
+            res = await handle.result()
+            why = res.reason
+        except KVStreamError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._pulls.pop(rid, None)
+            cancelled = rid in self._cancelled
+            self._cancelled.discard(rid)
+        ok = res is not None and res.ok
+        if cancelled:
+            log.info("pull of %s from %s aborted: the decode request ended", rrid, src)
+        elif not ok:
+            log.warning("pull of %s from %s failed (%s): vLLM recomputes it", rrid, src, why)
+        self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok,
+                     reason=why, bytes=res.bytes if res else 0,
+                     skipped=res.bytes_skipped if res else 0, codec=res.codec if res else "",
+                     seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local)
+        self._results.put(("recv", rid, ok, blocks[local:]))
+
+    async def _abort_pull(self, rid: str) -> None:
+        if rid not in self._pulls:
+            return
+        self._cancelled.add(rid)
+        handle = self._pulls.get(rid)
+        if handle is not None:
+            await handle.abort("the decode request ended")
+
+    # -- results, polled every step ----------------------------------------------------
+    def _drain(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+        # Only ours, or the set grows with every request the engine serves.
+        self._finished.update(r for r in finished_req_ids if r in self._offers or r in self._sent)
+        recving: set[str] = set()
+        failed: set[str] = set()
+        while True:
+            try:
+                kind, rid, ok, blocks = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "send":
+                self._sent.add(rid)
+                self._offers.pop(rid, None)
+                continue
+            recving.add(rid)
+            if not ok:
+                failed.add(rid)
+                self._load_errors.update(blocks)
+        # vLLM frees a prefill's blocks only for requests it has finished.
+        sending = self._sent & self._finished
+        self._sent -= sending
+        self._finished -= sending
+        return sending, recving, failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._drain(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._drain(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._runtime is not None:
+            rt, self._runtime = self._runtime, None
+            rt.close()
+        close, self._otel_close = self._otel_close, None
+        if close is not None:
+            close()
