@@ -69,7 +69,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+# A real vLLM, not a namespace package made of some "vllm" directory (examples/vllm).
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 try:  # tests/with_vllm as a package, or as a plain directory on sys.path
     from . import upstream

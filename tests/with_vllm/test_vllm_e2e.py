@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
+# A real vLLM, not a namespace package made of some "vllm" directory (examples/vllm).
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 from kvstream import EmbeddedNats
 
