@@ -217,6 +217,20 @@ class Leases:
         self.registry.contact(src_instance)
         return lease
 
+    async def release(self: Agent, request_id: str, src_instance: str,
+                      reason: str = "the destination no longer wants it") -> bool:
+        """Tell ``src_instance`` to free the blocks it holds for ``request_id`` now, whether
+        this agent kept a lease on them or not (an engine that will never pull: its request
+        ended, or its own prefix cache had every block). Returns whether the source
+        acknowledged (it then holds nothing for the request, whatever it held before); a
+        running pull is not touched (abort its handle instead)."""
+        Subjects.check_instance_id(src_instance)
+        wanted = self._wanted.get((src_instance, request_id))
+        if isinstance(wanted, RemoteLease):
+            await wanted.release(reason)
+            return True
+        return await self._request_abort(src_instance, "", reason, request_id=request_id)
+
     async def _lease_loop(self: Agent) -> None:
         """Renew every lease we still want: one message per source per quarter lease."""
         last: dict[str, float] = {}

@@ -179,6 +179,26 @@ async def test_kept_lease_outlives_its_period_and_few_renewals_are_sent(nats_ser
         assert_at_rest(p, d)
 
 
+async def test_release_frees_the_source_kept_or_not(nats_server):
+    """An engine that will never pull (request ended, or its prefix cache had it all) frees
+    the source's hold at once, whether it kept a lease on it or not."""
+    lay = small_layout()
+    async with agent_pair(nats_server, "p-rel", "d-rel", lay, 8,
+                          p_kw=dict(lease_s=30.0)) as (p, d):
+        kept, unkept = p.offer("kept", [1]), p.offer("unkept", [2])
+        lease = await d.keep("kept", "p-rel")
+        assert await d.release("kept", "p-rel", "request ended")
+        assert await d.release("unkept", "p-rel", "prefix cache hit")
+        with anyio.fail_after(2):  # not at lease expiry (30 s)
+            for h in (kept, unkept):
+                assert (await h.result()).status == "aborted"
+        assert lease.released and not lease.active
+        assert await d.release("never-offered", "p-rel")  # idempotent: nothing held after
+        assert not await d.release("r", "nobody-here")  # no such source: not acknowledged
+        await settle(p, d)
+        assert_at_rest(p, d)
+
+
 async def test_source_abort_reaches_the_lease_at_once(nats_server):
     lay = small_layout()
     async with agent_pair(nats_server, "p-sab", "d-sab", lay, 8,

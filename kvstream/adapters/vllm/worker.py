@@ -206,13 +206,10 @@ class WorkerSide(Side):
         agent = self._runtime.agent if self._runtime else None
         if agent is None:
             return
-        lease = agent._wanted.get((src, rrid))
-        from kvstream.leases import RemoteLease
-
-        if isinstance(lease, RemoteLease):
-            await lease.release(reason)
-        else:
-            await agent._request_abort(src, "", reason, request_id=rrid)
+        try:
+            await agent.release(rrid, src, reason)
+        except KVStreamError as exc:  # a bad instance id: the hold expires with its lease
+            log.warning("releasing %s at %s failed: %s", rrid, src, exc)
         self._events("released", src=src, remote_request_id=rrid, reason=reason)
 
     async def _pull(self, rid: str, src: str, rrid: str, blocks: list[int], have: list[int],
