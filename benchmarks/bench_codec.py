@@ -1,4 +1,5 @@
-"""FP8 against verbatim in one run (and the CPU codec against the naive torch path).
+"""The 8-bit wire codecs (fp8_e4m3, int8) against verbatim in one run, and each CPU codec
+against the naive torch path.
 
     python benchmarks/bench_codec.py --json --transport tcp --repeat 3   # a slow link
     python benchmarks/bench_codec.py --json --repeat 3 --layer-compute-ms 5
@@ -10,4 +11,4 @@ from kvstream.cli import main
 if __name__ == "__main__":
     import sys
 
-    main(["bench", "--codec", "fp8_e4m3", *sys.argv[1:]])
+    main(["bench", "--codec", "fp8_e4m3", "--codec", "int8", *sys.argv[1:]])

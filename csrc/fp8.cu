@@ -1,12 +1,18 @@
 /*
- * kvstream FP8 (e4m3) wire codec, CUDA path: fused gather + quantize, dequantize + scatter.
+ * kvstream 8-bit wire codecs, CUDA path: fused gather + quantize, dequantize + scatter, for
+ * fp8_e4m3 (kvs_fp8_*) and int8 (kvs_i8_*).
  *
  * Compiled at run time by cupy's RawModule (NVRTC) and loaded by kvstream/quant/cuda.py; CI
  * compile-checks it with nvcc. The scheme is the one of csrc/fp8_cpu.c (kvstream/quant/scheme.py
  * describes it, reference.py is the torch reference every kernel must match bit for bit):
  *   - a layer tensor is viewed as [planes, num_blocks, chunk]; a chunk is [P, Q, R, S];
- *   - one scale per (plane, block, p, r) = 2^e, the smallest power of two with absmax <= 448 * 2^e;
- *   - q = float8_e4m3fn(x * 2^-e) rounded as torch rounds; decode y = dtype(float(q) * 2^e).
+ *   - one scale per (plane, block, p, r), from the group's absmax (a group holding inf or NaN
+ *     is counted in `bad` and not encoded);
+ *   - fp8_e4m3: scale = 2^e, the smallest power of two with absmax <= 448 * 2^e;
+ *     q = float8_e4m3fn(x * 2^-e) rounded as torch rounds; decode y = dtype(float(q) * 2^e);
+ *   - int8: a = max(absmax, 2^-120), scale = a / 127, inv = 127 / a (two IEEE divisions),
+ *     q = clamp(rint(x * inv), -127, 127) as a two's complement byte (rint: half to even);
+ *     decode y = dtype(float(q) * scale).
  * Output layout: q[(plane * n + j) * chunk + i], scales[((plane * n + j) * P + p) * R + r].
  *
  * One CUDA block per scale group; blockIdx.x is the group's index in `scales`. The launcher picks
@@ -16,7 +22,7 @@
  * No #include: NVRTC has no standard headers and cuda_fp16.h is not always on its include path,
  * so half conversions are the PTX instructions __half2float / __float2half_rn compile to.
  * Compiled without fast-math: subnormals must survive (torch does not flush them either), and
- * every multiply is __fmul_rn so none is contracted into an FMA.
+ * every multiply and divide is __fmul_rn / __fdiv_rn so none is contracted or approximated.
  */
 
 #define KVS_THREADS 256
@@ -97,6 +103,38 @@ __device__ __forceinline__ int scale_exponent(kvs_u32 amax) {
     return e < -126 ? -126 : (e > 126 ? 126 : e);
 }
 
+/* A wire codec: the group's scale and the factor that maps x to code units (from the finite
+ * absmax, as fp32 bits), one element's code from x * inv, and a code's value before the scale. */
+struct KvsFp8 {
+    static __device__ __forceinline__ void scale_of(kvs_u32 amax, float* scale, float* inv) {
+        const int e = scale_exponent(amax);
+        *scale = u2f((kvs_u32)(e + 127) << 23);
+        *inv = u2f((kvs_u32)(127 - e) << 23);
+    }
+    static __device__ __forceinline__ unsigned char encode(float v) { return f2e4m3(v); }
+    static __device__ __forceinline__ float decode(kvs_u32 b) { return e4m32f(b); }
+};
+
+/* reference.INT8_FLOOR, 2^-120, as float32 bits: 127 / a is finite for every a >= it. */
+#define KVS_I8_FLOOR 0x03800000u
+
+struct KvsInt8 {
+    /* a = max(absmax, 2^-120); scale = a / 127 and inv = 127 / a, each one IEEE division (the
+     * reference divides tensor by tensor so that torch does the same on every device). */
+    static __device__ __forceinline__ void scale_of(kvs_u32 amax, float* scale, float* inv) {
+        const float a = u2f(amax < KVS_I8_FLOOR ? KVS_I8_FLOOR : amax);
+        *scale = __fdiv_rn(a, 127.0f);
+        *inv = __fdiv_rn(127.0f, a);
+    }
+    /* clamp(rint(v), -127, 127) as a two's complement byte; rounding half to even. v = x * inv
+     * is finite (|x| <= a, inv finite), and clamping first is the same (+-127 are integers). */
+    static __device__ __forceinline__ unsigned char encode(float v) {
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        return (unsigned char)__float2int_rn(v);
+    }
+    static __device__ __forceinline__ float decode(kvs_u32 b) { return (float)(signed char)b; }
+};
+
 /* Decode saturates at the destination dtype's largest finite value (a code rounded up near
  * the top of the range must not become inf); NaN stays NaN, as in fp8_cpu.c. */
 __device__ __forceinline__ float kvs_saturate(float v, float m) {
@@ -163,7 +201,7 @@ __device__ __forceinline__ KvsGroup locate(kvs_i64 g, kvs_i64 num_blocks, const 
     return grp;
 }
 
-template <class D>
+template <class C, class D>
 __device__ __forceinline__ void quantize_group(const typename D::T* __restrict__ src, kvs_i64 num_blocks,
                                                const kvs_i64* __restrict__ ids, kvs_i64 n,
                                                kvs_i64 P, kvs_i64 Q, kvs_i64 R, kvs_i64 S,
@@ -191,17 +229,17 @@ __device__ __forceinline__ void quantize_group(const typename D::T* __restrict__
         }
         return;
     }
-    const int e = scale_exponent(m);
-    if (threadIdx.x == 0) scales[g] = u2f((kvs_u32)(e + 127) << 23);
-    const float inv = u2f((kvs_u32)(127 - e) << 23);
+    float scale, inv;
+    C::scale_of(m, &scale, &inv);
+    if (threadIdx.x == 0) scales[g] = scale;
     for (kvs_u32 t = threadIdx.x; t < count; t += blockDim.x) {
         const kvs_u32 q = t / s_len, i = q * stride + (t - q * s_len);
-        o[i] = f2e4m3(__fmul_rn(D::load(in + i), inv));
+        o[i] = C::encode(__fmul_rn(D::load(in + i), inv));
     }
 }
 
 /* Scales were checked (finite, > 0) by the launcher before this runs: a bad one writes nothing. */
-template <class D>
+template <class C, class D>
 __device__ __forceinline__ void dequantize_group(const unsigned char* __restrict__ codes,
                                                  const float* __restrict__ scales, kvs_i64 n,
                                                  kvs_i64 P, kvs_i64 Q, kvs_i64 R, kvs_i64 S,
@@ -216,32 +254,39 @@ __device__ __forceinline__ void dequantize_group(const unsigned char* __restrict
     const float scale = scales[g];
     for (kvs_u32 t = threadIdx.x; t < count; t += blockDim.x) {
         const kvs_u32 q = t / s_len, i = q * stride + (t - q * s_len);
-        D::store(y + i, __fmul_rn(e4m32f(x[i]), scale));
+        D::store(y + i, __fmul_rn(C::decode(x[i]), scale));
     }
 }
 
-/* Entry points, one per engine dtype (extern "C": cupy finds them by name). Grid: one block per
- * scale group, planes * n * P * R of them. `bad` counts groups holding inf or NaN (their codes
- * are not written; the caller must zero it first and fail the encode when it is not 0). */
-#define KVS_QUANTIZE(NAME, D)                                                                      \
+/* Entry points, one per codec and engine dtype (extern "C": cupy finds them by name). Grid: one
+ * block per scale group, planes * n * P * R of them. `bad` counts groups holding inf or NaN (their
+ * codes are not written; the caller must zero it first and fail the encode when it is not 0). */
+#define KVS_QUANTIZE(NAME, C, D)                                                                   \
     extern "C" __global__ void __launch_bounds__(KVS_THREADS) NAME(                                \
         const D::T* __restrict__ src, kvs_i64 num_blocks, const kvs_i64* __restrict__ ids,         \
         kvs_i64 n, kvs_i64 P, kvs_i64 Q, kvs_i64 R, kvs_i64 S, unsigned char* __restrict__ out,    \
         float* __restrict__ scales, kvs_u64* __restrict__ bad) {                                   \
-        quantize_group<D>(src, num_blocks, ids, n, P, Q, R, S, out, scales, bad);                  \
+        quantize_group<C, D>(src, num_blocks, ids, n, P, Q, R, S, out, scales, bad);               \
     }
 
-#define KVS_DEQUANTIZE(NAME, D)                                                                    \
+#define KVS_DEQUANTIZE(NAME, C, D)                                                                 \
     extern "C" __global__ void __launch_bounds__(KVS_THREADS) NAME(                                \
         const unsigned char* __restrict__ codes, const float* __restrict__ scales, kvs_i64 n,      \
         kvs_i64 P, kvs_i64 Q, kvs_i64 R, kvs_i64 S, D::T* __restrict__ dst, kvs_i64 num_blocks,    \
         const kvs_i64* __restrict__ ids) {                                                         \
-        dequantize_group<D>(codes, scales, n, P, Q, R, S, dst, num_blocks, ids);                   \
+        dequantize_group<C, D>(codes, scales, n, P, Q, R, S, dst, num_blocks, ids);                \
     }
 
-KVS_QUANTIZE(kvs_fp8_quantize_f16, KvsF16)
-KVS_QUANTIZE(kvs_fp8_quantize_bf16, KvsBf16)
-KVS_QUANTIZE(kvs_fp8_quantize_f32, KvsF32)
-KVS_DEQUANTIZE(kvs_fp8_dequantize_f16, KvsF16)
-KVS_DEQUANTIZE(kvs_fp8_dequantize_bf16, KvsBf16)
-KVS_DEQUANTIZE(kvs_fp8_dequantize_f32, KvsF32)
+KVS_QUANTIZE(kvs_fp8_quantize_f16, KvsFp8, KvsF16)
+KVS_QUANTIZE(kvs_fp8_quantize_bf16, KvsFp8, KvsBf16)
+KVS_QUANTIZE(kvs_fp8_quantize_f32, KvsFp8, KvsF32)
+KVS_DEQUANTIZE(kvs_fp8_dequantize_f16, KvsFp8, KvsF16)
+KVS_DEQUANTIZE(kvs_fp8_dequantize_bf16, KvsFp8, KvsBf16)
+KVS_DEQUANTIZE(kvs_fp8_dequantize_f32, KvsFp8, KvsF32)
+
+KVS_QUANTIZE(kvs_i8_quantize_f16, KvsInt8, KvsF16)
+KVS_QUANTIZE(kvs_i8_quantize_bf16, KvsInt8, KvsBf16)
+KVS_QUANTIZE(kvs_i8_quantize_f32, KvsInt8, KvsF32)
+KVS_DEQUANTIZE(kvs_i8_dequantize_f16, KvsInt8, KvsF16)
+KVS_DEQUANTIZE(kvs_i8_dequantize_bf16, KvsInt8, KvsBf16)
+KVS_DEQUANTIZE(kvs_i8_dequantize_f32, KvsInt8, KvsF32)

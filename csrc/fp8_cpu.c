@@ -1,20 +1,27 @@
 /*
- * kvstream FP8 (e4m3) wire codec, CPU path: gather + quantize, dequantize + scatter.
+ * kvstream 8-bit wire codecs, CPU path: gather + quantize, dequantize + scatter, for
+ * fp8_e4m3 (kvs_fp8_*) and int8 (kvs_i8_*), with the same arguments, groups and layout.
  *
- * Built on first use by kvstream/quant/cpu.py (gcc/cc -O3 -shared, with -mavx2 -mf16c where
- * the CPU has them) and called through ctypes, which releases the GIL for the call.
+ * Built on first use by kvstream/quant/cpu.py (gcc/cc -O3 -shared, with -march=native where
+ * the CPU has AVX2 and F16C) and called through ctypes, which releases the GIL for the call.
  *
  * The scheme (kvstream/quant/scheme.py is the normative description, reference.py the torch
  * reference every kernel must match bit for bit):
  *   - a layer tensor is viewed as [planes, num_blocks, chunk]; a chunk is [P, Q, R, S];
- *   - one scale per (plane, block, p, r): the absmax over (q, s);
- *   - the scale is a power of two, 2^e with the smallest e such that absmax <= 448 * 2^e
- *     (frexp: absmax = m * 2^k, m in [0.5, 1): e = k - 9 + (m > 0.875)), clamped to
- *     [-126, 126], so scaling and unscaling are exact multiplications;
- *   - q = float8_e4m3fn(x * 2^-e), rounded to nearest even exactly as torch rounds;
+ *   - one scale per (plane, block, p, r): the absmax over (q, s), in float32; a group
+ *     holding inf or NaN is counted (the call's result) and gets scale 1, no codes;
+ *   - fp8_e4m3: the scale is a power of two, 2^e with the smallest e such that
+ *     absmax <= 448 * 2^e (frexp: absmax = m * 2^k, m in [0.5, 1): e = k - 9 + (m > 0.875)),
+ *     clamped to [-126, 126], so scaling and unscaling are exact multiplications;
+ *     q = float8_e4m3fn(x * 2^-e), rounded to nearest even exactly as torch rounds;
+ *   - int8: a = max(absmax, 2^-120), scale = a / 127, inv = 127 / a (two IEEE divisions;
+ *     the floor keeps inv finite), q = int8(clamp(rint(x * inv), +-127));
  *   - decode: y = engine_dtype(clamp(float(q) * scale, +-max of the dtype)), round to nearest
  *     even: a code rounded up near the top of the range saturates instead of becoming inf.
+ *     Scales come off the wire: one not finite and positive fails the call, nothing written.
  * Output layout: q[(plane * n + j) * chunk + i], scales[((plane * n + j) * P + p) * R + r].
+ * Every float step is a single IEEE float32 operation with no add next to a multiply, so
+ * gcc's default -ffp-contract=fast has nothing to fuse; never build with -ffast-math.
  */
 #include <math.h>
 #include <stdint.h>
@@ -107,6 +114,16 @@ static inline float dtype_max(int dtype) {
 
 static inline float saturate(float v, float m) { return v > m ? m : (v < -m ? -m : v); }
 
+/* int8: x * inv (finite, |.| <= ~127) -> the code's byte. rintf: nearest even. */
+static inline uint8_t f2i8(float v) {
+    float r = rintf(v);
+    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+    return (uint8_t)(int8_t)r;
+}
+
+/* reference.INT8_FLOOR, 2^-120, as float32 bits: 127 / a is finite for every a >= it. */
+#define KVS_I8_FLOOR 0x03800000u
+
 static inline uint32_t abs_bits1(const void* base, int dtype, int64_t i) {
     if (dtype == KVS_F32) return ((const uint32_t*)base)[i] & 0x7fffffffu;
     return ((const uint16_t*)base)[i] & 0x7fffu;
@@ -171,6 +188,11 @@ static inline __m256 e4m3_to_f32_8(const uint8_t* p) {
     __m256i v = _mm256_blendv_epi8(nrm, _mm256_castps_si256(sub), is_sub);
     v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7fc00000), is_nan);
     return _mm256_castsi256_ps(_mm256_or_si256(v, sign));
+}
+
+/* Eight values -> eight int8 codes as int32 (|.| <= 127, or -128 the caller clamps). */
+static inline __m256i i8_8(__m256 x, __m256 vinv) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(x, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
 
@@ -272,6 +294,70 @@ KVS_NOIPA static void dequantize_rows(const uint8_t* in, int64_t Q, int64_t stri
     }
 }
 
+/* int8 rows: inv is finite (the floor), so x * inv is too. */
+static void i8_quantize_rows(const void* base, int dtype, int64_t off, int64_t Q, int64_t stride,
+                             int64_t S, float inv, uint8_t* out) {
+    for (int64_t q = 0; q < Q; q++) {
+        const int64_t row = off + q * stride;
+        uint8_t* o = out + q * stride;
+        int64_t s = 0;
+#if KVS_AVX2
+        const __m256 vinv = _mm256_set1_ps(inv);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i lo = _mm256_set1_epi8(-127);
+#define KVS_I8_8(k) i8_8(load8(base, dtype, row + s + (k)), vinv)
+        for (; s + 32 <= S; s += 32) {
+            /* Signed saturating packs clamp at +127 (and -128); the max makes it -127. */
+            const __m256i ab = _mm256_packs_epi32(KVS_I8_8(0), KVS_I8_8(8));
+            const __m256i cd = _mm256_packs_epi32(KVS_I8_8(16), KVS_I8_8(24));
+            const __m256i bytes = _mm256_max_epi8(_mm256_packs_epi16(ab, cd), lo);
+            _mm256_storeu_si256((__m256i*)(o + s), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+        for (; s + 8 <= S; s += 8) {
+            const __m256i v = KVS_I8_8(0);
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i*)(o + s), _mm_max_epi8(_mm_packs_epi16(w, w), _mm_set1_epi8(-127)));
+        }
+#undef KVS_I8_8
+#endif
+        for (; s < S; s++) o[s] = f2i8(load1(base, dtype, row + s) * inv);
+    }
+}
+
+/* `clamp`: whether 128 * scale can pass the dtype's max (else no product can: codes are in
+ * [-128, 127] and a rounded product is monotonic in the code). */
+static inline void i8_dequantize_rows_(const uint8_t* in, int64_t Q, int64_t stride, int64_t S,
+                                       float scale, void* base, int dtype, int64_t off, int clamp) {
+    const float top = dtype_max(dtype);
+    for (int64_t q = 0; q < Q; q++) {
+        const uint8_t* x = in + q * stride;
+        const int64_t row = off + q * stride;
+        int64_t s = 0;
+#if KVS_AVX2
+        const __m256 vs = _mm256_set1_ps(scale);
+        const __m256 hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+        for (; s + 8 <= S; s += 8) {
+            const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(x + s)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
+            /* Never NaN (finite codes, finite positive scale): min/max saturate +-inf. */
+            if (clamp) v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
+            store8(base, dtype, row + s, v);
+        }
+#else
+        (void)clamp;  /* the scalar path always saturates: one compare */
+#endif
+        for (; s < S; s++) store1(base, dtype, row + s, saturate((float)(int8_t)x[s] * scale, top));
+    }
+}
+
+static void i8_dequantize_rows(const uint8_t* in, int64_t Q, int64_t stride, int64_t S, float scale,
+                               void* base, int dtype, int64_t off) {
+    if (scale * 128.0f > dtype_max(dtype))
+        i8_dequantize_rows_(in, Q, stride, S, scale, base, dtype, off, 1);
+    else
+        i8_dequantize_rows_(in, Q, stride, S, scale, base, dtype, off, 0);
+}
+
 #if KVS_AVX2 && defined(__AVX512BW__)
 #define KVS_LUT 1
 /* 16-bit destinations with AVX-512BW: a scale has only 256 possible outputs, so decode
@@ -316,11 +402,13 @@ static void lut_rows(const uint8_t* in, int64_t Q, int64_t stride, int64_t S, co
 
 int kvs_fp8_has_simd(void) { return KVS_AVX2 + KVS_LUT; }
 
+enum { KVS_FP8 = 0, KVS_I8 = 1 };
+
 /* Gather the blocks `ids` of one layer tensor and quantize them into `out` / `scales`.
  * Returns the number of groups holding inf or NaN (the output is then not usable). */
-int64_t kvs_fp8_quantize(const void* src, int dtype, int64_t num_blocks, int64_t planes,
-                         const int64_t* ids, int64_t n, int64_t P, int64_t Q, int64_t R, int64_t S,
-                         uint8_t* out, float* scales) {
+static inline int64_t quantize_layer(int codec, const void* src, int dtype, int64_t num_blocks,
+                                     int64_t planes, const int64_t* ids, int64_t n, int64_t P,
+                                     int64_t Q, int64_t R, int64_t S, uint8_t* out, float* scales) {
     const int64_t chunk = P * Q * R * S, stride = R * S;
     const int esize = dtype == KVS_F32 ? 4 : 2;
     int64_t bad = 0;
@@ -339,6 +427,12 @@ int64_t kvs_fp8_quantize(const void* src, int dtype, int64_t num_blocks, int64_t
                         sc[p * R + r] = 1.0f;
                         continue;
                     }
+                    if (codec == KVS_I8) {
+                        const float a = u2f(amax < KVS_I8_FLOOR ? KVS_I8_FLOOR : amax);
+                        sc[p * R + r] = a / 127.0f;
+                        i8_quantize_rows(blk, dtype, off, Q, stride, S, 127.0f / a, o + off);
+                        continue;
+                    }
                     const int e = scale_exponent(amax);
                     sc[p * R + r] = u2f((uint32_t)(e + 127) << 23);
                     quantize_rows(blk, dtype, off, Q, stride, S, u2f((uint32_t)(127 - e) << 23), o + off);
@@ -349,18 +443,36 @@ int64_t kvs_fp8_quantize(const void* src, int dtype, int64_t num_blocks, int64_t
     return bad;
 }
 
-/* Dequantize `in` / `scales` into the blocks `ids` of one layer tensor. Scales come off the
- * wire: any that is not finite and positive fails the call before a byte is written. */
-int64_t kvs_fp8_dequantize(const uint8_t* in, const float* scales, int64_t n, int64_t planes,
-                           int64_t P, int64_t Q, int64_t R, int64_t S,
-                           void* dst, int dtype, int64_t num_blocks, const int64_t* ids) {
-    const int64_t chunk = P * Q * R * S, stride = R * S, groups = planes * n * P * R;
-    const int esize = dtype == KVS_F32 ? 4 : 2;
+int64_t kvs_fp8_quantize(const void* src, int dtype, int64_t num_blocks, int64_t planes,
+                         const int64_t* ids, int64_t n, int64_t P, int64_t Q, int64_t R, int64_t S,
+                         uint8_t* out, float* scales) {
+    return quantize_layer(KVS_FP8, src, dtype, num_blocks, planes, ids, n, P, Q, R, S, out, scales);
+}
+
+int64_t kvs_i8_quantize(const void* src, int dtype, int64_t num_blocks, int64_t planes,
+                        const int64_t* ids, int64_t n, int64_t P, int64_t Q, int64_t R, int64_t S,
+                        uint8_t* out, float* scales) {
+    return quantize_layer(KVS_I8, src, dtype, num_blocks, planes, ids, n, P, Q, R, S, out, scales);
+}
+
+/* Scales come off the wire: the number not finite and positive (tested on the bits). */
+static int64_t bad_scales(const float* scales, int64_t groups) {
     int64_t bad = 0;
     for (int64_t g = 0; g < groups; g++) {
         const uint32_t u = f2u(scales[g]);
         bad += (u & 0x80000000u) || u >= 0x7f800000u || u == 0;
     }
+    return bad;
+}
+
+/* Dequantize `in` / `scales` into the blocks `ids` of one layer tensor. Scales come off the
+ * wire: any that is not finite and positive fails the call before a byte is written. */
+int64_t kvs_fp8_dequantize(const uint8_t* in, const float* scales, int64_t n, int64_t planes,
+                           int64_t P, int64_t Q, int64_t R, int64_t S,
+                           void* dst, int dtype, int64_t num_blocks, const int64_t* ids) {
+    const int64_t chunk = P * Q * R * S, stride = R * S;
+    const int esize = dtype == KVS_F32 ? 4 : 2;
+    const int64_t bad = bad_scales(scales, planes * n * P * R);
     if (bad) return bad;
 #if KVS_LUT
     kvs_lut lut;
@@ -385,6 +497,29 @@ int64_t kvs_fp8_dequantize(const uint8_t* in, const float* scales, int64_t n, in
                     }
 #endif
                     dequantize_rows(x + off, Q, stride, S, sc[p * R + r], blk, dtype, off);
+                }
+        }
+    }
+    return 0;
+}
+
+/* int8: the same, codes are int8 and scales arbitrary floats (no table: each group's differs). */
+int64_t kvs_i8_dequantize(const uint8_t* in, const float* scales, int64_t n, int64_t planes,
+                          int64_t P, int64_t Q, int64_t R, int64_t S,
+                          void* dst, int dtype, int64_t num_blocks, const int64_t* ids) {
+    const int64_t chunk = P * Q * R * S, stride = R * S;
+    const int esize = dtype == KVS_F32 ? 4 : 2;
+    const int64_t bad = bad_scales(scales, planes * n * P * R);
+    if (bad) return bad;
+    for (int64_t pl = 0; pl < planes; pl++) {
+        for (int64_t j = 0; j < n; j++) {
+            char* blk = (char*)dst + (pl * num_blocks + ids[j]) * chunk * esize;
+            const uint8_t* x = in + (pl * n + j) * chunk;
+            const float* sc = scales + (pl * n + j) * P * R;
+            for (int64_t p = 0; p < P; p++)
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t off = (p * Q * R + r) * S;
+                    i8_dequantize_rows(x + off, Q, stride, S, sc[p * R + r], blk, dtype, off);
                 }
         }
     }

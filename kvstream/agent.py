@@ -206,8 +206,8 @@ class Agent(Admission, Pushing, Pulling, Leases, Liveness):
         self.memory = RegisteredKV(layout, layers, cache_scales=cache_scales)
         self._layout = layout
         self.staging.device = str(self.memory.device)
-        if self.config.codec != "none" or "fp8_e4m3" in self.config.accept_codecs:
-            # Build the FP8 kernel now, off the event loop, not under the first transfer.
+        if self.config.codec != "none" or set(self.config.accept_codecs) - {"none"}:
+            # Build the codec kernel now, off the event loop, not under the first transfer.
             threading.Thread(target=_prepare_codec, args=(self.memory,), daemon=True,
                              name="kvstream-codec-build").start()
         return self.memory

@@ -63,7 +63,7 @@ def _human_bytes(n: float) -> str:
 @click.option("--link", help="link preset (see --list)")
 @click.option("--bandwidth", type=float, help="link bandwidth, GB/s (overrides the preset's)")
 @click.option("--rtt-us", type=float, help="round-trip time, microseconds")
-@click.option("--codec", type=click.Choice(["fp16", "bf16", "fp8"]), default="fp16",
+@click.option("--codec", type=click.Choice(["fp16", "bf16", "fp8", "int8"]), default="fp16",
               show_default=True)
 @click.option("--prefill-ms", type=float, help="measured prefill time, ms")
 @click.option("--gpu", default="h100", show_default=True, help="GPU preset to estimate prefill")
@@ -227,7 +227,7 @@ def bench(
     from kvstream.bench.runner import run_bench
 
     if accuracy:
-        _accuracy(next((c for c in codecs if c != "none"), "fp8_e4m3"), dtype, as_json)
+        _accuracy([c for c in codecs if c != "none"] or ["fp8_e4m3", "int8"], dtype, as_json)
         return
     spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous,
                        prefix_hit)
@@ -270,10 +270,10 @@ def trace(span_files: tuple[str, ...], last: int) -> None:
         click.echo()
 
 
-def _accuracy(codec: str, dtype: str, as_json: bool) -> None:
+def _accuracy(codecs: list[str], dtype: str, as_json: bool) -> None:
     from kvstream.quant.accuracy import format_report, report
 
-    reports = report(codec=codec, dtype=dtype)
+    reports = report(codecs=codecs, dtype=dtype)
     if as_json:
         click.echo(json.dumps({"accuracy": msgspec.to_builtins(reports)}))
     else:

@@ -59,10 +59,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_layers: int = 8
     max_transfers: int = 1024
     # Wire codec of push() and pull() unless the call names one ("none": bytes verbatim;
-    # "fp8_e4m3": half the bytes, dequantized here into the engine dtype).
+    # "int8" or "fp8_e4m3": half the bytes, dequantized here into the engine dtype; int8
+    # is the more accurate of the two, docs/architecture.md).
     codec: str = "none"
     # Codecs this agent receives (a manifest with another one is refused).
-    accept_codecs: tuple[str, ...] = ("none", "fp8_e4m3")
+    accept_codecs: tuple[str, ...] = ("none", "fp8_e4m3", "int8")
     # HTTP base URL of the engine's OpenAI server (e.g. "http://10.0.0.5:8100"), announced
     # so that ``kvstream proxy`` can route requests here; "" = not routable by the proxy.
     endpoint: str = ""

@@ -23,7 +23,7 @@ Verdict = Literal["fine", "watch", "does not pay"]
 
 # Wire bytes relative to the engine's 16-bit cache. FP8's per-(block, head) fp32
 # scales add under 1 % at block_size >= 16 and are left out here.
-CODEC_RATIO: Final[dict[str, float]] = {"fp16": 1.0, "bf16": 1.0, "fp8": 0.5}
+CODEC_RATIO: Final[dict[str, float]] = {"fp16": 1.0, "bf16": 1.0, "fp8": 0.5, "int8": 0.5}
 
 DEFAULT_MFU: Final = 0.5
 

@@ -71,15 +71,16 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
                        f"{cr.wire_bytes / 2**20:.1f}", f"{cr.speedup:.2f}x",
                        "-" if cr.exposed_ms is None else f"{cr.exposed_ms:.2f}", str(cr.verified))
         console.print(ct)
-    if r.codec_speed is not None:
-        s = r.codec_speed
-        st = Table(title=f"CPU codec, one layer, one thread ({s.backend} kernel)", show_header=True)
-        for col in ("", "kvstream GB/s", "naive torch GB/s", "speedup"):
+    if r.codec_speed:
+        st = Table(title="codec speed, one layer, one thread (fp16-equivalent bytes)",
+                   show_header=True)
+        for col in ("codec", "kernel", "", "kvstream GB/s", "naive torch GB/s", "speedup"):
             st.add_column(col)
-        st.add_row("quantize", f"{s.quantize_gbps:.2f}", f"{s.naive_quantize_gbps:.2f}",
-                   f"{s.quantize_speedup:.1f}x")
-        st.add_row("dequantize", f"{s.dequantize_gbps:.2f}", f"{s.naive_dequantize_gbps:.2f}",
-                   f"{s.dequantize_speedup:.1f}x")
+        for name, s in r.codec_speed.items():
+            st.add_row(name, s.backend, "quantize", f"{s.quantize_gbps:.2f}",
+                       f"{s.naive_quantize_gbps:.2f}", f"{s.quantize_speedup:.1f}x")
+            st.add_row("", "", "dequantize", f"{s.dequantize_gbps:.2f}",
+                       f"{s.naive_dequantize_gbps:.2f}", f"{s.dequantize_speedup:.1f}x")
         console.print(st)
     console.print(r.layout)
 

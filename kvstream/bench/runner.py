@@ -99,7 +99,7 @@ class BenchResult(msgspec.Struct, kw_only=True):
     effective_gbps: float | None = None  # whole-cache bytes over the transfer time
     # --codec: each wire codec (and "none" as the baseline), --transport: UCX_TLS used.
     codecs: dict[str, CodecResult] = {}
-    codec_speed: CodecSpeed | None = None
+    codec_speed: dict[str, CodecSpeed] = {}  # per codec of --codec
     transport: str = ""
     accuracy: list[Any] = []  # --accuracy: quant.accuracy.AccuracyReport per data source
     # --tracing: the same transfers with an SDK exporting every span to a file, same run.
@@ -327,7 +327,7 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         effective_gbps=round(spec.payload_bytes / best_run.seconds / 1e9, 3),
         codecs=_codec_results(spec, rate_modes[0], runs, exposure, codec_runs, codec_exposure)
         if codecs else {},
-        codec_speed=codec_speed(spec, extra_codecs[0]) if extra_codecs else None,
+        codec_speed={c: codec_speed(spec, c) for c in extra_codecs},
         transport=spec.transport,
         tracing_gbps=round(best_traced, 3) if tracing else None,
         tracing_ratio=round(best_traced / best_kv, 3) if tracing else None,

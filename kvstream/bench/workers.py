@@ -112,7 +112,7 @@ def _verify(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
         shape = (lay.chunks_per_block, len(dst_ids), *scale_groups(lay))
         dtype = getattr(torch, lay.dtype)
         if not reference.within_bound(want.contiguous().view(torch.uint8).view(dtype).view(shape),
-                                      got.view(dtype).view(shape)):
+                                      got.view(dtype).view(shape), codec):
             return False
     return True
 

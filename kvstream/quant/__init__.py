@@ -1,4 +1,4 @@
-"""Wire codecs: what a transfer's bytes look like on the wire (``none`` or ``fp8_e4m3``).
+"""Wire codecs: what a transfer's bytes look like on the wire (``none``, ``fp8_e4m3``, ``int8``).
 
 ``scheme`` says what goes on the wire, ``reference`` is the torch reference every kernel
 matches bit for bit, ``codec`` runs a layer through the best backend available (CUDA

@@ -7,7 +7,8 @@ transfer's codec is not "none". One layer on the wire is::
 
 so a block's scales always travel in the same message as its codes. Backends,
 best first: the CUDA kernels (cupy, KV on a GPU), the CPU kernel (csrc/fp8_cpu.c),
-the torch reference (anything else; slow).
+the torch reference (anything else; slow). Each implements every 8-bit codec
+(``fp8_e4m3``, ``int8``) with the same scale groups and wire layout.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstream.dataplane.memory import BlockMap, RegisteredKV
+    from kvstream.quant.cpu import CpuKernel
 
 __all__ = ["LayerCodec", "make_codec", "prepare"]
 
@@ -60,8 +62,9 @@ class _TorchBackend:
 
     name = "torch"
 
-    def __init__(self, geo: _Geometry) -> None:
+    def __init__(self, geo: _Geometry, codec: str) -> None:
         self.geo = geo
+        self.codec = codec
 
     def _chunks(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.geo.planes, self.geo.num_blocks, self.geo.chunk)
@@ -70,7 +73,7 @@ class _TorchBackend:
                scales: torch.Tensor) -> None:
         g = self.geo
         x = self._chunks(src).index_select(1, blocks.index).view(g.planes, len(blocks), *g.groups)
-        q, s = reference.quantize(x)
+        q, s = reference.quantize(x, self.codec)
         codes.copy_(q.reshape(-1))
         scales.copy_(s.reshape(-1))
 
@@ -80,60 +83,63 @@ class _TorchBackend:
 
         g = self.geo
         if not bool(((scales > 0) & torch.isfinite(scales)).all()):
-            raise QuantizationError("FP8 scales from the peer are not finite and positive")
+            raise QuantizationError(f"{self.codec} scales from the peer are not finite and positive")
         n, (p, _q, r, _s) = len(blocks), g.groups
         y = reference.dequantize(codes.view(g.planes, n, *g.groups),
-                                 scales.view(g.planes, n, p, r), dst.dtype)
+                                 scales.view(g.planes, n, p, r), dst.dtype, self.codec)
         self._chunks(dst).index_copy_(1, blocks.index, y.view(g.planes, n, g.chunk))
 
 
 class _CpuBackend:
     name = "cpu"
 
-    def __init__(self, geo: _Geometry, kernel: object) -> None:
+    def __init__(self, geo: _Geometry, kernel: CpuKernel, codec: str = "fp8_e4m3") -> None:
         from kvstream.quant.cpu import DTYPE_CODES
 
         self.geo = geo
-        self.k = kernel
+        self.codec = codec
+        self._quantize, self._dequantize = kernel.ops(codec)
         self.dtype_code = DTYPE_CODES[geo.dtype]
 
     def encode(self, src: torch.Tensor, blocks: BlockMap, codes: torch.Tensor,
                scales: torch.Tensor) -> None:
         g = self.geo
-        bad = self.k.quantize(src.data_ptr(), self.dtype_code, g.num_blocks, g.planes,  # type: ignore[attr-defined]
-                              blocks.index.data_ptr(), len(blocks), *g.groups,
-                              codes.data_ptr(), scales.data_ptr())
+        bad = self._quantize(src.data_ptr(), self.dtype_code, g.num_blocks, g.planes,
+                             blocks.index.data_ptr(), len(blocks), *g.groups,
+                             codes.data_ptr(), scales.data_ptr())
         if bad:
-            raise QuantizationError(f"KV holds inf or NaN in {bad} scale groups: FP8 cannot encode it")
+            raise QuantizationError(f"KV holds inf or NaN in {bad} scale groups: "
+                                    f"{self.codec} cannot encode it")
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
                blocks: BlockMap) -> None:
         g = self.geo
-        bad = self.k.dequantize(codes.data_ptr(), scales.data_ptr(), len(blocks), g.planes,  # type: ignore[attr-defined]
-                                *g.groups, dst.data_ptr(), self.dtype_code, g.num_blocks,
-                                blocks.index.data_ptr())
+        bad = self._dequantize(codes.data_ptr(), scales.data_ptr(), len(blocks), g.planes,
+                               *g.groups, dst.data_ptr(), self.dtype_code, g.num_blocks,
+                               blocks.index.data_ptr())
         if bad:
-            raise QuantizationError(f"{bad} FP8 scales from the peer are not finite and positive")
+            raise QuantizationError(f"{bad} {self.codec} scales from the peer are not finite "
+                                    "and positive")
 
 
-def _backend(geo: _Geometry, mem: RegisteredKV, prefer: str | None) -> _Backend:
+def _backend(geo: _Geometry, mem: RegisteredKV, codec: str, prefer: str | None) -> _Backend:
     if prefer == "torch":
-        return _TorchBackend(geo)
+        return _TorchBackend(geo, codec)
     if mem.device.type == "cuda" and prefer in (None, "cuda"):
         from kvstream.quant import cuda
 
         kernels = cuda.load()
         if kernels is not None:
-            return cuda.CudaBackend(geo, kernels)
+            return cuda.CudaBackend(geo, kernels, codec)
     if mem.device.type == "cpu" and prefer in (None, "cpu"):
         from kvstream.quant import cpu
 
         kernel = cpu.load()
         if kernel is not None:
-            return _CpuBackend(geo, kernel)
+            return _CpuBackend(geo, kernel, codec)
     if prefer not in (None, "torch"):
-        raise QuantizationError(f"the {prefer} FP8 backend is not available here")
-    return _TorchBackend(geo)
+        raise QuantizationError(f"the {prefer} {codec} backend is not available here")
+    return _TorchBackend(geo, codec)
 
 
 class LayerCodec:
@@ -156,7 +162,7 @@ class LayerCodec:
         (gcc) or the CUDA one (NVRTC) takes up to seconds and must not stall the event
         loop that answers manifests and heartbeats (``prepare`` builds it ahead)."""
         if self._backend is None:
-            self._backend = _backend(self.geo, self.mem, self._prefer)
+            self._backend = _backend(self.geo, self.mem, self.name, self._prefer)
         return self._backend
 
     @backend.setter
@@ -171,7 +177,7 @@ class LayerCodec:
 
         if buf.numel() < self.layer_bytes(nblocks) or buf.device != self.mem.device:
             raise QuantizationError(f"a {buf.numel()}-byte buffer on {buf.device} cannot hold "
-                                    f"{nblocks} blocks of FP8 for KV on {self.mem.device}")
+                                    f"{nblocks} blocks of {self.name} for KV on {self.mem.device}")
         lay = self.mem.layout
         nscales = self.geo.planes * nblocks * groups_per_chunk(lay)
         head = scales_bytes(lay, nblocks)
@@ -201,11 +207,12 @@ def _as_quantization_error(what: str) -> Iterator[None]:
     except KVStreamError:
         raise
     except Exception as exc:
-        raise QuantizationError(f"FP8 {what} failed: {exc!r}") from exc
+        raise QuantizationError(f"wire codec {what} failed: {exc!r}") from exc
 
 
 def prepare(mem: RegisteredKV) -> None:
-    """Build the kernel this memory's codec will use (call off the event loop)."""
+    """Build the kernel this memory's codecs will use (call off the event loop): one
+    library (CPU) or module (CUDA) holds every codec."""
     if mem.layout.dtype in CODEC_DTYPES:
         _ = LayerCodec(mem, "fp8_e4m3").backend
 

@@ -1,5 +1,8 @@
 """The CPU kernel (csrc/fp8_cpu.c): compiled on first use, cached, called through ctypes.
 
+One library holds every 8-bit codec: ``CpuKernel.ops(codec)`` gives the
+``(quantize, dequantize)`` entry points of ``fp8_e4m3`` or ``int8`` (same arguments).
+
 ctypes releases the GIL for the call, so a layer quantizes on a copy thread while
 the event loop keeps sending. The library is built for this CPU (``-march=native``:
 20-25 % faster than plain ``-mavx2`` on the EPYC here) when it has AVX2 and F16C,
@@ -21,11 +24,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstream._exceptions import QuantizationError
 
-__all__ = ["CpuKernel", "build", "load", "source_path"]
+__all__ = ["CpuKernel", "build", "cache_dir", "load", "source_path"]
 
 log = logging.getLogger("kvstream.quant")
 
@@ -40,7 +44,9 @@ def source_path() -> Path:
     return Path(__file__).resolve().parents[2] / "csrc" / "fp8_cpu.c"
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """kvstream's build cache (kernels, the test model): ``$KVSTREAM_CACHE_DIR`` or
+    ``$XDG_CACHE_HOME/kvstream`` (``~/.cache/kvstream``)."""
     base = os.environ.get("KVSTREAM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstream")
     return Path(base)
@@ -69,12 +75,12 @@ def build(src: Path | None = None, *, simd: bool = True) -> Path:
     src = src or source_path()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise QuantizationError("no C compiler (cc/gcc) to build the CPU FP8 kernel")
+        raise QuantizationError("no C compiler (cc/gcc) to build the CPU codec kernel")
     flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", *(_simd_flags() if simd else [])]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + version.encode()
                          + _cpu_id().encode())
-    out = _cache_dir() / f"fp8_cpu-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"fp8_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,20 +99,40 @@ def build(src: Path | None = None, *, simd: bool = True) -> Path:
     return out
 
 
+_QUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 2, ctypes.c_void_p,
+                  *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p]
+_DEQUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_void_p,
+                    ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+# An entry point: ctypes function returning its count of bad groups (or scales).
+_Op = Callable[..., int]
+# codec -> the C symbols' prefix
+_PREFIXES = {"fp8_e4m3": "kvs_fp8", "int8": "kvs_i8"}
+
+
 class CpuKernel:
-    """Typed entry points of the built library."""
+    """Typed entry points of the built library. ``quantize`` / ``dequantize`` are
+    fp8_e4m3's; ``ops(codec)`` any codec's."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        i64, p = ctypes.c_int64, ctypes.c_void_p
-        self.quantize = lib.kvs_fp8_quantize
-        self.quantize.restype = i64
-        self.quantize.argtypes = [p, ctypes.c_int, i64, i64, p, i64, i64, i64, i64, i64, p, p]
-        self.dequantize = lib.kvs_fp8_dequantize
-        self.dequantize.restype = i64
-        self.dequantize.argtypes = [p, p, i64, i64, i64, i64, i64, i64, p, ctypes.c_int, i64, p]
+        self._ops: dict[str, tuple[_Op, _Op]] = {}
+        for codec, prefix in _PREFIXES.items():
+            quantize = getattr(lib, f"{prefix}_quantize")
+            quantize.restype, quantize.argtypes = ctypes.c_int64, _QUANTIZE_ARGS
+            dequantize = getattr(lib, f"{prefix}_dequantize")
+            dequantize.restype, dequantize.argtypes = ctypes.c_int64, _DEQUANTIZE_ARGS
+            self._ops[codec] = (quantize, dequantize)
+        self.quantize, self.dequantize = self._ops["fp8_e4m3"]
         self.simd = bool(lib.kvs_fp8_has_simd())
         self.path = path
+
+    def ops(self, codec: str) -> tuple[_Op, _Op]:
+        """``(quantize, dequantize)`` of ``codec``; both return the number of bad groups
+        (non-finite KV) or bad scales (from the wire; nothing is then written)."""
+        try:
+            return self._ops[codec]
+        except KeyError:
+            raise QuantizationError(f"the CPU kernel has no codec {codec!r}") from None
 
 
 def load() -> CpuKernel | None:
@@ -121,5 +147,5 @@ def load() -> CpuKernel | None:
                     raise QuantizationError(f"{src} not found (kvstream installed without csrc/)")
                 _loaded = CpuKernel(build(src))
             except (QuantizationError, OSError) as exc:
-                log.warning("CPU FP8 kernel unavailable, using the slow torch path: %s", exc)
+                log.warning("CPU codec kernel unavailable, using the slow torch path: %s", exc)
         return _loaded

@@ -1,5 +1,5 @@
-"""The CUDA kernels (csrc/fp8.cu): compiled once per process by cupy's NVRTC, launched on
-torch's current stream.
+"""The CUDA kernels of the 8-bit codecs (csrc/fp8.cu: fp8_e4m3 and int8): compiled once per
+process by cupy's NVRTC, launched on torch's current stream.
 
 Gather + quantize reads the blocks by id straight out of the engine's layer tensor into the
 wire buffer, and dequantize + scatter writes them straight back: no staging copy and no
@@ -29,8 +29,10 @@ __all__ = ["KERNEL_NAMES", "CudaBackend", "Kernels", "load", "source_path"]
 log = logging.getLogger("kvstream.quant")
 
 _SUFFIXES: Final = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-KERNEL_NAMES: Final = tuple(f"kvs_fp8_{op}_{s}" for op in ("quantize", "dequantize")
-                            for s in _SUFFIXES.values())
+# Wire codec -> the prefix of its entry points in fp8.cu.
+_PREFIXES: Final = {"fp8_e4m3": "kvs_fp8", "int8": "kvs_i8"}
+KERNEL_NAMES: Final = tuple(f"{pre}_{op}_{s}" for pre in _PREFIXES.values()
+                            for op in ("quantize", "dequantize") for s in _SUFFIXES.values())
 # KVS_THREADS in fp8.cu (its __launch_bounds__); a block is whole warps up to this.
 MAX_THREADS: Final = 256
 # Subnormals must survive and no multiply may become an FMA: the torch reference does neither.
@@ -46,19 +48,22 @@ def source_path() -> Path:
 
 
 class Kernels:
-    """The entry points of fp8.cu by engine dtype (cupy ``RawKernel``s, cached per device)."""
+    """The entry points of fp8.cu by codec, then engine dtype (cupy ``RawKernel``s, cached per
+    device): ``quantize["int8"]["bfloat16"]``."""
 
     def __init__(self, module: Any) -> None:
-        self.quantize = {dt: module.get_function(f"kvs_fp8_quantize_{s}") for dt, s in _SUFFIXES.items()}
-        self.dequantize = {dt: module.get_function(f"kvs_fp8_dequantize_{s}")
-                           for dt, s in _SUFFIXES.items()}
+        self.quantize = {c: {dt: module.get_function(f"{pre}_quantize_{s}") for dt, s in _SUFFIXES.items()}
+                         for c, pre in _PREFIXES.items()}
+        self.dequantize = {c: {dt: module.get_function(f"{pre}_dequantize_{s}")
+                               for dt, s in _SUFFIXES.items()}
+                           for c, pre in _PREFIXES.items()}
 
 
 def _compile() -> Kernels | None:
     try:
         import cupy
     except ImportError:
-        log.info("cupy not installed (pip install kvstream[gpu]): FP8 on the GPU uses the torch path")
+        log.info("cupy not installed (pip install kvstream[gpu]): the codecs use the torch path on the GPU")
         return None
     src = source_path()
     try:
@@ -70,7 +75,7 @@ def _compile() -> Kernels | None:
             # get_function compiles and loads, so a broken kernel fails here and not mid-transfer.
             return Kernels(cupy.RawModule(code=src.read_text(), options=_OPTIONS))
     except Exception as exc:  # cupy's compile, NVRTC and driver errors share no base class
-        log.warning("CUDA FP8 kernels unavailable, using the torch path on the GPU: %s", exc)
+        log.warning("CUDA codec kernels unavailable, using the torch path on the GPU: %s", exc)
         return None
 
 
@@ -84,11 +89,11 @@ def load() -> Kernels | None:
         return _loaded
 
 
-def _same_device(kv: torch.Tensor, *others: torch.Tensor) -> None:
+def _same_device(codec: str, kv: torch.Tensor, *others: torch.Tensor) -> None:
     # A host pointer handed to a kernel is an illegal address, which kills the CUDA context.
     for t in others:
         if t.device != kv.device:
-            raise QuantizationError(f"the CUDA FP8 kernels need every buffer on {kv.device}, "
+            raise QuantizationError(f"the CUDA {codec} kernels need every buffer on {kv.device}, "
                                     f"got one on {t.device}")
 
 
@@ -109,15 +114,18 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, geo: _Geometry, kernels: Kernels) -> None:
+    def __init__(self, geo: _Geometry, kernels: Kernels, codec: str = "fp8_e4m3") -> None:
+        if codec not in _PREFIXES:
+            raise QuantizationError(f"no CUDA kernels for codec {codec!r}")
         if geo.dtype not in _SUFFIXES:
-            raise QuantizationError(f"no CUDA FP8 kernel for a {geo.dtype} cache")
+            raise QuantizationError(f"no CUDA {codec} kernel for a {geo.dtype} cache")
         if geo.chunk >= 2 ** 31:
-            raise QuantizationError(f"chunks of {geo.chunk} elements exceed the CUDA FP8 kernels' "
-                                    "32-bit offsets")
+            raise QuantizationError(f"chunks of {geo.chunk} elements exceed the CUDA {codec} "
+                                    "kernels' 32-bit offsets")
         self.geo = geo
-        self._quantize = kernels.quantize[geo.dtype]
-        self._dequantize = kernels.dequantize[geo.dtype]
+        self.codec = codec
+        self._quantize = kernels.quantize[codec][geo.dtype]
+        self._dequantize = kernels.dequantize[codec][geo.dtype]
         _p, q, _r, s = geo.groups
         # Enough whole warps to give each thread one element of a group, up to MAX_THREADS.
         self.threads = min(MAX_THREADS, -(-q * s // 32) * 32)
@@ -127,7 +135,7 @@ class CudaBackend:
         import torch
 
         g, n = self.geo, len(blocks)
-        _same_device(src, codes, scales, blocks.index)
+        _same_device(self.codec, src, codes, scales, blocks.index)
         if n == 0:  # cupy would launch one block for a grid of 0, reading ids[0]
             return
         p, q, r, s = g.groups
@@ -137,21 +145,23 @@ class CudaBackend:
                  codes.data_ptr(), scales.data_ptr(), bad.data_ptr()))
         nbad = int(bad.item())
         if nbad:
-            raise QuantizationError(f"KV holds inf or NaN in {nbad} scale groups: FP8 cannot encode it")
+            raise QuantizationError(f"KV holds inf or NaN in {nbad} scale groups: {self.codec} "
+                                    "cannot encode it")
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor,
                blocks: BlockMap) -> None:
         import torch
 
         g, n = self.geo, len(blocks)
-        _same_device(dst, codes, scales, blocks.index)
+        _same_device(self.codec, dst, codes, scales, blocks.index)
         # Scales come off the wire: any that is not finite and positive fails the call before a
         # byte is written. Tested on the bits as fp8_cpu.c does: as int32, a set sign bit
         # (negatives, -0.0) or +0.0 is <= 0, and inf and NaN are >= 0x7f800000.
         bits = scales.view(torch.int32)
         nbad = int(((bits <= 0) | (bits >= 0x7F800000)).sum())
         if nbad:
-            raise QuantizationError(f"{nbad} FP8 scales from the peer are not finite and positive")
+            raise QuantizationError(f"{nbad} {self.codec} scales from the peer are not finite "
+                                    "and positive")
         if n == 0:
             return
         p, q, r, s = g.groups

@@ -1,4 +1,5 @@
-"""The CUDA FP8 kernels (csrc/fp8.cu) against the torch reference on the same GPU, bit for bit."""
+"""The CUDA kernels of the 8-bit codecs (csrc/fp8.cu: fp8_e4m3 and int8) against the torch
+reference on the same GPU, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytestmark = [pytest.mark.gpu]
 
 ARRANGEMENTS = ("flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla")
 DTYPES = ("float16", "bfloat16", "float32")
+CODECS = ("fp8_e4m3", "int8")
 NUM_BLOCKS = 9
 
 
@@ -54,8 +56,8 @@ def _kv(layout: KVLayout, seed: int) -> list[torch.Tensor]:
     return layers
 
 
-def _codec(mem: RegisteredKV) -> LayerCodec:
-    codec = LayerCodec(mem, "fp8_e4m3")
+def _codec(mem: RegisteredKV, name: str) -> LayerCodec:
+    codec = LayerCodec(mem, name)
     assert codec.backend.name == "cuda"
     return codec
 
@@ -64,13 +66,14 @@ def _buffer(codec: LayerCodec, nblocks: int) -> torch.Tensor:
     return torch.zeros(codec.layer_bytes(nblocks), dtype=torch.uint8, device="cuda")
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-def test_kernels_match_reference_bit_for_bit(arrangement: str, dtype: str) -> None:
+def test_kernels_match_reference_bit_for_bit(arrangement: str, dtype: str, codec: str) -> None:
     lay = _layout(arrangement, dtype)
     layers = _kv(lay, seed=ARRANGEMENTS.index(arrangement) * 3 + DTYPES.index(dtype))
     mem = RegisteredKV(lay, layers)
-    cuda, ref = _codec(mem), LayerCodec(mem, "fp8_e4m3", backend="torch")
+    cuda, ref = _codec(mem, codec), LayerCodec(mem, codec, backend="torch")
     for ids in ([7, 2, 5, 0, 8], [3, 4, 5]):
         blocks = mem.block_map(ids)
         for layer in range(lay.num_layers):
@@ -83,40 +86,42 @@ def test_kernels_match_reference_bit_for_bit(arrangement: str, dtype: str) -> No
             out_cuda = [torch.zeros_like(t) for t in layers]
             out_ref = [torch.zeros_like(t) for t in layers]
             mem_cuda, mem_ref = RegisteredKV(lay, out_cuda), RegisteredKV(lay, out_ref)
-            _codec(mem_cuda).decode(layer, mem_cuda.block_map(dst_ids), want)
-            LayerCodec(mem_ref, "fp8_e4m3", backend="torch").decode(
+            _codec(mem_cuda, codec).decode(layer, mem_cuda.block_map(dst_ids), want)
+            LayerCodec(mem_ref, codec, backend="torch").decode(
                 layer, mem_ref.block_map(dst_ids), want)
             assert torch.equal(out_cuda[layer].view(torch.uint8), out_ref[layer].view(torch.uint8))
             assert bool(out_cuda[layer].any())
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_non_finite_kv_raises(dtype: str) -> None:
+def test_non_finite_kv_raises(dtype: str, codec: str) -> None:
     lay = _layout("flash_nhd", dtype)
     for bad in (float("nan"), float("inf"), float("-inf")):
         layers = _kv(lay, seed=1)
         layers[0][1, 6, 2, 1, 3] = bad
         mem = RegisteredKV(lay, layers)
-        codec = _codec(mem)
-        with pytest.raises(QuantizationError, match="inf or NaN in 1 scale groups"):
-            codec.encode(0, mem.block_map([6, 0]), _buffer(codec, 2))
-        codec.encode(1, mem.block_map([6, 0]), _buffer(codec, 2))  # other layers still encode
+        lc = _codec(mem, codec)
+        with pytest.raises(QuantizationError, match=f"inf or NaN in 1 scale groups: {codec}"):
+            lc.encode(0, mem.block_map([6, 0]), _buffer(lc, 2))
+        lc.encode(1, mem.block_map([6, 0]), _buffer(lc, 2))  # other layers still encode
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.0, -0.5])
-def test_bad_scale_fails_decode_untouched(bad: float) -> None:
+def test_bad_scale_fails_decode_untouched(bad: float, codec: str) -> None:
     lay = _layout("blocks_first_nhd", "bfloat16")
     mem = RegisteredKV(lay, _kv(lay, seed=2))
-    codec = _codec(mem)
-    buf = _buffer(codec, 3)
-    codec.encode(0, mem.block_map([1, 2, 3]), buf)
-    _codes, scales = codec._split(buf, 3)
+    lc = _codec(mem, codec)
+    buf = _buffer(lc, 3)
+    lc.encode(0, mem.block_map([1, 2, 3]), buf)
+    _codes, scales = lc._split(buf, 3)
     scales[scales.numel() // 2] = bad
 
     dst = [torch.full_like(t, 1.5) for t in mem.layers]
     before = [t.clone() for t in dst]
     mem_dst = RegisteredKV(lay, dst)
-    with pytest.raises(QuantizationError, match="1 FP8 scales from the peer"):
-        _codec(mem_dst).decode(0, mem_dst.block_map([4, 0, 8]), buf)
+    with pytest.raises(QuantizationError, match=f"1 {codec} scales from the peer"):
+        _codec(mem_dst, codec).decode(0, mem_dst.block_map([4, 0, 8]), buf)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))

@@ -80,33 +80,39 @@ def test_bench_bad_argument_is_one_line():
     assert out.stderr.strip().startswith("kvstream: error:") and "\n" not in out.stderr.strip()
 
 
-def test_bench_fp8_over_tcp_pull(nats_server):
-    """FP8 against verbatim in one run, pulled over UCX's TCP transport."""
+def test_bench_8bit_codecs_over_tcp_pull(nats_server):
+    """FP8 and int8 against verbatim in one run, pulled over UCX's TCP transport."""
     out = _kvstream("bench", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
                     "--tokens", "512", "--repeat", "1", "--layer-compute-ms", "2", "--json",
-                    "--codec", "fp8_e4m3", "--transport", "tcp", "--mode", "pull-eager",
-                    "--nats-url", nats_server.url)
+                    "--codec", "fp8_e4m3", "--codec", "int8", "--transport", "tcp",
+                    "--mode", "pull-eager", "--nats-url", nats_server.url)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["verified"] is True and result["transport"] == "tcp"
-    none, fp8 = result["codecs"]["none"], result["codecs"]["fp8_e4m3"]
+    none = result["codecs"]["none"]
     assert none["wire_bytes"] == result["payload_bytes"]
     scales = 4 * 2 * 32 * 2 * 4  # layers x K/V x blocks x heads x float32
-    assert fp8["wire_bytes"] == result["payload_bytes"] // 2 + scales
-    assert fp8["verified"] and fp8["exposed_ms"] >= 0 and fp8["speedup"] > 0
-    speed = result["codec_speed"]
-    assert speed["backend"] == "cpu" and speed["quantize_gbps"] > 0
-    assert speed["naive_dequantize_gbps"] > 0
+    for codec in ("fp8_e4m3", "int8"):
+        got = result["codecs"][codec]
+        assert got["wire_bytes"] == result["payload_bytes"] // 2 + scales
+        assert got["verified"] and got["exposed_ms"] >= 0 and got["speedup"] > 0
+        speed = result["codec_speed"][codec]
+        assert speed["backend"] == "cpu" and speed["quantize_gbps"] > 0
+        assert speed["naive_dequantize_gbps"] > 0
 
 
 def test_bench_accuracy_report():
-    out = _kvstream("bench", "--accuracy", "--codec", "fp8_e4m3", "--json")
+    out = _kvstream("bench", "--accuracy", "--json")  # both 8-bit codecs by default
     assert out.returncode == 0, out.stderr[-2000:]
     reports = json.loads(out.stdout)["accuracy"]
-    fp8 = [r for r in reports if r["codec"] == "fp8_e4m3"]
-    assert {r["source"] for r in fp8} == {"random", "random+outliers", "tiny-llama"}
-    assert all(r["within_bound"] for r in fp8)
-    assert 0.5 < fp8[0]["wire_bytes"] / fp8[0]["raw_bytes"] < 0.51
+    for codec in ("fp8_e4m3", "int8"):
+        rows = [r for r in reports if r["codec"] == codec]
+        assert {r["source"] for r in rows} == {"random", "random+outliers", "tiny-llama",
+                                               "tiny-llama-init0.5"}
+        assert all(r["within_bound"] for r in rows)
+        assert 0.5 < rows[0]["wire_bytes"] / rows[0]["raw_bytes"] < 0.51
+    llama = {r["codec"]: r for r in reports if r["source"] == "tiny-llama"}
+    assert llama["int8"]["attn_cosine_mean"] >= 0.999
 
 
 def test_bench_tracing_on_and_off(nats_server):

@@ -1,4 +1,5 @@
-"""FP8 on the wire between two agents: negotiated, half the bytes, within the bound, no leaks."""
+"""8-bit codecs on the wire between two agents: negotiated, half the bytes, within the bound,
+no leaks."""
 
 from __future__ import annotations
 
@@ -36,45 +37,48 @@ def kv(lay: KVLayout, *, fill: bool, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def assert_close(src: Agent, dst: Agent, sb: list[int], db: list[int]) -> None:
+def assert_close(src: Agent, dst: Agent, sb: list[int], db: list[int],
+                 codec: str = "fp8_e4m3") -> None:
     lay = src.memory.layout
     groups = scale_groups(lay)
     for layer in range(lay.num_layers):
         x = src.memory.layers[layer].view(lay.chunks_per_block, -1, *groups)[:, sb]
         y = dst.memory.layers[layer].view(lay.chunks_per_block, -1, *groups)[:, db]
-        assert reference.within_bound(x, y), f"layer {layer} outside the FP8 bound"
-        assert not torch.equal(x.float(), y.float())  # it really went through FP8
+        assert reference.within_bound(x, y, codec), f"layer {layer} outside the {codec} bound"
+        assert not torch.equal(x.float(), y.float())  # it really went through the codec
 
 
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
 @pytest.mark.parametrize("arrangement", ["flash_nhd", "cpu_hnbc"])
 @pytest.mark.parametrize("sb,db", [([3, 9, 1, 14], [0, 7, 22, 5]), ([4, 5, 6], [10, 11, 12])])
-async def test_push_fp8_within_bound_half_the_bytes(nats_server, arrangement, sb, db):
+async def test_push_8bit_within_bound_half_the_bytes(nats_server, arrangement, sb, db, codec):
     lay = layout(arrangement=arrangement)
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=kv(lay, fill=True)) as p, \
             Agent(cfg("cd", nats_server), layout=lay, kv_caches=kv(lay, fill=False)) as d:
         rx = d.expect("r", db)
-        tx = await p.push("r", "cd", sb, codec="fp8_e4m3")
+        tx = await p.push("r", "cd", sb, codec=codec)
         tx.all_ready()
         with anyio.fail_after(20):
             got, sent = await rx.wait(), await tx.wait()
         assert got.ok and sent.ok, (got.reason, sent.reason)
-        assert got.codec == sent.codec == "fp8_e4m3"
+        assert got.codec == sent.codec == codec
         raw = len(sb) * lay.block_bytes * lay.num_layers
-        wire = wire_layer_bytes(lay, "fp8_e4m3", len(sb)) * lay.num_layers
+        wire = wire_layer_bytes(lay, codec, len(sb)) * lay.num_layers
         assert got.bytes == sent.bytes == wire
         assert raw // 2 < wire <= raw // 2 + 64 * lay.num_layers  # half, plus the scales
-        assert_close(p, d, sb, db)
+        assert_close(p, d, sb, db, codec)
         await settle(p, d)
         assert_at_rest(p, d)
 
 
-@pytest.mark.parametrize("mode", ["eager", "lazy"])
-async def test_pull_fp8_into_another_dtype(nats_server, mode):
-    """bf16 prefill, fp16 decode: the FP8 wire does not carry the engine dtype."""
+@pytest.mark.parametrize("mode,codec", [("eager", "fp8_e4m3"), ("lazy", "fp8_e4m3"),
+                                        ("eager", "int8")])
+async def test_pull_8bit_into_another_dtype(nats_server, mode, codec):
+    """bf16 prefill, fp16 decode: an 8-bit wire does not carry the engine dtype."""
     src_lay, dst_lay = layout("bfloat16"), layout("float16")
     async with Agent(cfg("cp", nats_server), layout=src_lay,
                      kv_caches=kv(src_lay, fill=True)) as p, \
-            Agent(cfg("cd", nats_server, codec="fp8_e4m3"), layout=dst_lay,
+            Agent(cfg("cd", nats_server, codec=codec), layout=dst_lay,
                   kv_caches=kv(dst_lay, fill=False)) as d:
         sb, db = [2, 8, 3], [1, 19, 4]
         held = p.offer("r", sb)
@@ -84,8 +88,8 @@ async def test_pull_fp8_into_another_dtype(nats_server, mode):
             for layer in range(dst_lay.num_layers):
                 await rx.wait_layer(layer)
             got, sent = await rx.wait(), await held.wait()
-        assert got.ok and sent.ok and got.codec == "fp8_e4m3"
-        assert_close(p, d, sb, db)
+        assert got.ok and sent.ok and got.codec == codec
+        assert_close(p, d, sb, db, codec)
         await settle(p, d)
         assert_at_rest(p, d)
 

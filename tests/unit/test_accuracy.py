@@ -1,4 +1,4 @@
-"""kvstream.quant.accuracy: the FP8 codec against its documented bound and on attention."""
+"""kvstream.quant.accuracy: the 8-bit codecs against their documented bounds and on attention."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ BENCH = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)
 SMALL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16)
 REL = 2.0 ** -4
 
-# Measured (docs/architecture.md, "FP8 on the wire"): e4m3 keeps 3 mantissa bits, so K/V
-# come back with rmse/rms ~2.4 %. Where attention is spread as in most heads of a trained
-# model (logit std ~1) the mean output cosine is 0.9993. The tiny Llama's attention is
-# near one-hot (initializer_range=0.5: logit std ~64, top weight 0.97); there a 2^-4 error
-# in K flips the top token (mean 0.979), and an fp8 cache with vLLM's per-tensor scales
-# does no better. These tests pin those numbers, so a codec change that loses accuracy fails.
+# Measured (docs/architecture.md, "FP8 and int8 on the wire"): e4m3 keeps 3 mantissa bits, so K/V
+# come back with rmse/rms ~2.4 %. Where attention is spread (logit std ~1) the mean output
+# cosine is 0.9993. The trained tiny Llama's copy heads are sharp (logit std ~12, top
+# weight 0.8): e4m3 gives 0.997, int8 (same bytes) 0.9999. The random-init Llama is harsher
+# still (logit std ~64, top weight 0.97): e4m3 0.979, int8 0.998, and an fp8 cache with
+# vLLM's per-tensor scales does no better than e4m3. These tests pin those numbers, so a
+# codec change that loses accuracy fails.
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,22 @@ def random_report() -> AccuracyReport:
 
 @pytest.fixture(scope="module")
 def llama_kv() -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
+    """The random-init (harsh) tiny Llama."""
     pytest.importorskip("transformers")
-    return tiny_llama_kv()
+    return tiny_llama_kv(trained=False)
 
 
 @pytest.fixture(scope="module")
 def llama_report(llama_kv: tuple[KVLayout, list[torch.Tensor], torch.Tensor]) -> AccuracyReport:
     layout, layers, queries = llama_kv
-    return measure(layout, layers, queries, source="tiny-llama")
+    return measure(layout, layers, queries, source="tiny-llama-init0.5")
+
+
+@pytest.fixture(scope="module")
+def trained_kv() -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
+    """The trained tiny Llama (kvstream.bench.tiny_llama, ~30 s once per machine)."""
+    pytest.importorskip("transformers")
+    return tiny_llama_kv()
 
 
 def test_random_outliers_within_documented_bound(random_report: AccuracyReport) -> None:
@@ -60,10 +69,45 @@ def test_random_outliers_within_documented_bound(random_report: AccuracyReport) 
 
 
 def test_spread_attention_keeps_its_output() -> None:
-    r = measure(BENCH, accuracy.random_kv(BENCH, 64), None, source="random")
+    layers = accuracy.random_kv(BENCH, 64)
+    r = measure(BENCH, layers, None, source="random")
     assert r.within_bound and r.attn_logit_std < 1.5
     assert r.attn_cosine_mean >= 0.999
     assert r.attn_cosine_min >= 0.998
+    i8 = measure(BENCH, layers, None, source="random", codec="int8")
+    assert i8.within_bound and i8.wire_bytes == r.wire_bytes
+    assert i8.attn_cosine_mean >= 0.9999 and i8.attn_cosine_min >= 0.9995
+    assert i8.rmse_over_rms < 0.01
+
+
+def test_int8_within_its_bound_where_outliers_stretch_the_scale(
+        random_report: AccuracyReport) -> None:
+    """Spikes of 100 sigma widen int8's step for their whole group: still within the bound
+    (half a step), and e4m3 is the better codec for such data (the docs say so)."""
+    layers = random_with_outliers(BENCH, 64)
+    i8 = measure(BENCH, layers, None, source="random+outliers", codec="int8")
+    assert i8.within_bound
+    assert i8.max_abs_err <= max(float(t.float().abs().max()) for t in layers) / 254 * 1.01
+    assert i8.attn_cosine_mean < random_report.attn_cosine_mean
+
+
+def test_test_transformer_attention_with_int8(
+        trained_kv: tuple[KVLayout, list[torch.Tensor], torch.Tensor]) -> None:
+    """The issue's bar: attention-output cosine >= 0.999 on the test transformer's real KV.
+    int8 reaches it; e4m3 cannot at any scale granularity (3 mantissa bits), so it is held
+    to its own measured level and to the fp8 cache users already accept."""
+    layout, layers, queries = trained_kv
+    i8 = measure(layout, layers, queries, source="tiny-llama", codec="int8")
+    fp8 = measure(layout, layers, queries, source="tiny-llama")
+    vllm = measure(layout, layers, queries, source="tiny-llama",
+                   yardstick="fp8 per-tensor (vLLM cache)")
+    assert i8.within_bound and fp8.within_bound
+    assert 5 < i8.attn_logit_std < 30  # sharp heads, as a trained model has
+    assert i8.attn_cosine_mean >= 0.999
+    assert i8.attn_cosine_min >= 0.98
+    assert fp8.attn_cosine_mean >= 0.995
+    assert fp8.attn_cosine_mean >= vllm.attn_cosine_mean - 1e-3
+    assert i8.wire_bytes == fp8.wire_bytes < 0.51 * fp8.raw_bytes
 
 
 def test_tiny_llama_within_documented_bound(llama_report: AccuracyReport) -> None:
@@ -82,6 +126,8 @@ def test_tiny_llama_attention_no_worse_than_an_fp8_cache(
     assert llama_report.attn_cosine_mean >= 0.975
     assert llama_report.attn_cosine_mean >= vllm.attn_cosine_mean - 2e-3
     assert llama_report.rmse_over_rms <= vllm.rmse_over_rms + 1e-3
+    i8 = measure(layout, layers, queries, source="tiny-llama-init0.5", codec="int8")
+    assert i8.attn_cosine_mean >= 0.998
 
 
 def test_tiny_llama_queries_are_the_models_own() -> None:
@@ -89,7 +135,7 @@ def test_tiny_llama_queries_are_the_models_own() -> None:
     for the last token (where attending to every token is exactly causal). float32: this
     model's attention is so peaked that float16 K/V alone move some outputs by 0.1."""
     pytest.importorskip("transformers")
-    layout, layers, queries = tiny_llama_kv(dtype="float32")
+    layout, layers, queries = tiny_llama_kv(dtype="float32", trained=False)
     assert queries.shape == (4, 8, accuracy.QUERY_TOKENS, 32)
     model = accuracy._tiny_llama(0, 256)
     seen: dict[int, torch.Tensor] = {}

@@ -34,8 +34,15 @@ def test_compiles_without_warnings(src: Path, arch: str, tmp_path: Path) -> None
     assert "warning" not in proc.stderr.lower(), proc.stderr
 
 
+def test_kernel_names_cover_every_codec_and_dtype() -> None:
+    """What the loader asks for: both codecs (fp8_e4m3, int8), both directions, three dtypes."""
+    assert len(KERNEL_NAMES) == len(set(KERNEL_NAMES)) == 12
+    assert set(KERNEL_NAMES) == {f"kvs_{c}_{op}_{s}" for c in ("fp8", "i8")
+                                 for op in ("quantize", "dequantize") for s in ("f16", "bf16", "f32")}
+
+
 def test_fp8_exports_what_the_loader_asks_for(tmp_path: Path) -> None:
-    """kvstream.quant.cuda finds the kernels by these (unmangled, extern "C") names."""
+    """kvstream.quant.cuda finds the kernels of both codecs by these (unmangled, extern "C") names."""
     out = tmp_path / "fp8.ptx"
     proc = _nvcc_ptx(source_path(), "sm_90", out)
     assert proc.returncode == 0, proc.stderr

@@ -13,7 +13,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,12 @@ VOCAB = 1000
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """examples/vllm/tiny_model.py's trained tiny Llama (greedy decoding copies the prompt
+    """kvstream.bench.tiny_llama's trained tiny Llama (greedy decoding copies the prompt
     from 32 tokens back: varied tokens, decided by the cached KV, with real argmax margins;
     a random init either repeats one token or is too ill-conditioned for FP8 KV)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm"))
-    import tiny_model
+    from kvstream.bench.tiny_llama import make_model
 
-    return tiny_model.make_model(path, seed=seed)
+    return make_model(path, seed=seed)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -172,21 +172,23 @@ def test_prefix_cached_on_decode_is_not_sent_again(cluster):
     assert pulled[0]["bytes"] == (math.ceil(len(second) / E.BLOCK) - 2) * BLOCK_BYTES * LAYERS
 
 
-def test_fp8_on_the_wire_token_match_rate(cluster, record_property):
-    """FP8 e4m3 on the wire (asked for per request): the token match rate against colocated,
-    and how far the chosen tokens' log-probabilities moved (verbatim KV moves them by 0)."""
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+def test_8bit_on_the_wire_token_match_rate(cluster, record_property, codec):
+    """An 8-bit codec on the wire (asked for per request): the token match rate against
+    colocated, and how far the chosen tokens' log-probabilities moved (verbatim KV moves
+    them by 0)."""
     prompts = [E.prompt(n, 30 + i) for i, n in enumerate((100, 116, 64, 45))]
     ref = cluster["prefill"].generate([{"prompt": p, "max_tokens": NEW, "logprobs": 1}
                                        for p in prompts])
     want = [r["tokens"] for r in ref]
     params = prefill(cluster["prefill"], prompts)
     for kv in params:
-        kv["kvstream"] = {**kv["kvstream"], "codec": "fp8_e4m3"}
+        kv["kvstream"] = {**kv["kvstream"], "codec": codec}
     got = cluster["decode"].generate([{"prompt": p, "max_tokens": NEW, "params": kv, "logprobs": 1}
                                       for p, kv in zip(prompts, params, strict=True)])
     for kv in params:
         pulled = _wait_events(cluster, "pull_ended", remote_request_id=kv["remote_request_id"])
-        assert pulled and pulled[0]["ok"] and pulled[0]["codec"] == "fp8_e4m3", pulled
+        assert pulled and pulled[0]["ok"] and pulled[0]["codec"] == codec, pulled
         # float32 cache: one byte per value plus the scales, about a quarter of the bytes
         assert pulled[0]["bytes"] < 0.3 * 4 * BLOCK_BYTES * LAYERS
     same = sum(g == w for gs, ws in zip([g["tokens"] for g in got], want, strict=True)
@@ -196,9 +198,9 @@ def test_fp8_on_the_wire_token_match_rate(cluster, record_property):
     drift = [abs(a - b) for g, r in zip(got, ref, strict=True)
              for ga, ra, a, b in zip(g["tokens"], r["tokens"], g["logprobs"], r["logprobs"],
                                      strict=True) if ga == ra]
-    record_property("fp8_token_match_rate", rate)
-    record_property("fp8_max_logprob_drift", max(drift))
-    print(f"FP8 on the wire: greedy token match rate vs colocated {rate:.3f} "
+    record_property(f"{codec}_token_match_rate", rate)
+    record_property(f"{codec}_max_logprob_drift", max(drift))
+    print(f"{codec} on the wire: greedy token match rate vs colocated {rate:.3f} "
           f"({same}/{len(prompts) * NEW} tokens); chosen-token |logprob drift| "
           f"max {max(drift):.4f} mean {sum(drift) / len(drift):.4f}")
     assert all(len(g["tokens"]) == NEW for g in got)

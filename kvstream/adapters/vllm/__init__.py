@@ -24,8 +24,8 @@ process on first ``register_kv_caches``. ``kv_transfer_params`` use NIXL's keys,
 and routers written for ``NixlConnector`` work unchanged.
 
 ``kv_connector_extra_config`` keys: ``nats_url`` (default: the local server, embedded if
-none), ``namespace``, ``instance_id`` (default ``vllm-<engine_id>``), ``codec`` ("none" or
-"fp8_e4m3", asked for by the decode side; a request's ``kv_transfer_params["kvstream"]
+none), ``namespace``, ``instance_id`` (default ``vllm-<engine_id>``), ``codec`` ("none",
+"int8" or "fp8_e4m3", asked for by the decode side; a request's ``kv_transfer_params["kvstream"]
 ["codec"]`` overrides it), ``lease_s``, ``peer_timeout_s``,
 ``transfer_timeout_s``, ``endpoint`` (the engine's HTTP URL, announced for ``kvstream
 proxy``), ``arrangement`` (override the KV layout detection), ``mode`` ("pull"; push to
