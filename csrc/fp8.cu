@@ -10,7 +10,7 @@
  *     is counted in `bad` and not encoded);
  *   - fp8_e4m3: scale = 2^e, the smallest power of two with absmax <= 448 * 2^e;
  *     q = float8_e4m3fn(x * 2^-e) rounded as torch rounds; decode y = dtype(float(q) * 2^e);
- *   - int8: a = max(absmax, 2^-120), scale = a / 127, inv = 127 / a (two IEEE divisions),
+ *   - int8: a = max(absmax, 2^-119), scale = a / 127, inv = 127 / a (two IEEE divisions),
  *     q = clamp(rint(x * inv), -127, 127) as a two's complement byte (rint: half to even);
  *     decode y = dtype(float(q) * scale).
  * Output layout: q[(plane * n + j) * chunk + i], scales[((plane * n + j) * P + p) * R + r].
@@ -60,7 +60,8 @@ __device__ __forceinline__ unsigned short f2bf(float f) {
 #endif
 }
 
-/* torch's fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 (and NaN) -> NaN (0x7f).
+/* c10's fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 (and NaN) -> NaN (0x7f). (torch
+ * 2.13's .to(float8_e4m3fn) saturates there instead; scaled KV never exceeds 448, so the codes agree.)
  * Unsigned 32-bit arithmetic wraps exactly as in fp8_cpu.c's f2e4m3. */
 __device__ __forceinline__ unsigned char f2e4m3(float f) {
     const kvs_u32 fp8_max = 1087u << 20;
@@ -115,11 +116,12 @@ struct KvsFp8 {
     static __device__ __forceinline__ float decode(kvs_u32 b) { return e4m32f(b); }
 };
 
-/* reference.INT8_FLOOR, 2^-120, as float32 bits: 127 / a is finite for every a >= it. */
-#define KVS_I8_FLOOR 0x03800000u
+/* reference.INT8_FLOOR, 2^-119, as float32 bits: for every a >= it 127 / a is finite and
+ * a / 127 normal (flush-to-zero never turns a scale into 0). */
+#define KVS_I8_FLOOR 0x04000000u
 
 struct KvsInt8 {
-    /* a = max(absmax, 2^-120); scale = a / 127 and inv = 127 / a, each one IEEE division (the
+    /* a = max(absmax, 2^-119); scale = a / 127 and inv = 127 / a, each one IEEE division (the
      * reference divides tensor by tensor so that torch does the same on every device). */
     static __device__ __forceinline__ void scale_of(kvs_u32 amax, float* scale, float* inv) {
         const float a = u2f(amax < KVS_I8_FLOOR ? KVS_I8_FLOOR : amax);

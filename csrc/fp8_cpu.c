@@ -14,7 +14,7 @@
  *     absmax <= 448 * 2^e (frexp: absmax = m * 2^k, m in [0.5, 1): e = k - 9 + (m > 0.875)),
  *     clamped to [-126, 126], so scaling and unscaling are exact multiplications;
  *     q = float8_e4m3fn(x * 2^-e), rounded to nearest even exactly as torch rounds;
- *   - int8: a = max(absmax, 2^-120), scale = a / 127, inv = 127 / a (two IEEE divisions;
+ *   - int8: a = max(absmax, 2^-119), scale = a / 127, inv = 127 / a (two IEEE divisions;
  *     the floor keeps inv finite), q = int8(clamp(rint(x * inv), +-127));
  *   - decode: y = engine_dtype(clamp(float(q) * scale, +-max of the dtype)), round to nearest
  *     even: a code rounded up near the top of the range saturates instead of becoming inf.
@@ -54,7 +54,8 @@ static inline uint16_t f2bf(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* torch's fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 (and NaN) -> NaN (0x7f). */
+/* c10's fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 (and NaN) -> NaN (0x7f). (torch
+ * 2.13's .to(float8_e4m3fn) saturates there instead; scaled KV never exceeds 448, so the codes agree.) */
 static inline uint8_t f2e4m3(float f) {
     const uint32_t fp8_max = 1087u << 20;
     const uint32_t denorm_mask = 141u << 23;
@@ -121,8 +122,9 @@ static inline uint8_t f2i8(float v) {
     return (uint8_t)(int8_t)r;
 }
 
-/* reference.INT8_FLOOR, 2^-120, as float32 bits: 127 / a is finite for every a >= it. */
-#define KVS_I8_FLOOR 0x03800000u
+/* reference.INT8_FLOOR, 2^-119, as float32 bits: for every a >= it 127 / a is finite and
+ * a / 127 normal (flush-to-zero never turns a scale into 0). */
+#define KVS_I8_FLOOR 0x04000000u
 
 static inline uint32_t abs_bits1(const void* base, int dtype, int64_t i) {
     if (dtype == KVS_F32) return ((const uint32_t*)base)[i] & 0x7fffffffu;

@@ -93,7 +93,7 @@ def _prepare_codec(mem: RegisteredKV) -> None:
     try:
         prepare(mem)
     except Exception as exc:  # the first FP8 transfer reports it properly
-        log.warning("preparing the FP8 kernel failed: %s", exc)
+        log.warning("preparing the codec kernel failed: %s", exc)
 
 class Agent(Admission, Pushing, Pulling, Leases, Liveness):
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""

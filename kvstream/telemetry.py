@@ -254,7 +254,7 @@ def reason_class(status: str, reason: str) -> str:
                        ("peer_lost", ("peer lost", "dead", "died", "no heartbeat", "left",
                                       "no instance answers")),
                        ("lease", ("lease",)),
-                       ("codec", ("fp8", "inf or nan", "scales", "quantiz")),
+                       ("codec", ("fp8", "int8", "wire codec", "inf or nan", "scales", "quantiz")),
                        ("shutdown", ("shutting down", "unregistered")),
                        ("refused", ("refused", "incompatible", "fingerprint")),
                        ("aborted", ("abort",))):

@@ -72,7 +72,7 @@ def print_bench(r: BenchResult, console: Console | None = None) -> None:
                        "-" if cr.exposed_ms is None else f"{cr.exposed_ms:.2f}", str(cr.verified))
         console.print(ct)
     if r.codec_speed:
-        st = Table(title="codec speed, one layer, one thread (fp16-equivalent bytes)",
+        st = Table(title="codec speed, one layer, one thread (engine-dtype bytes)",
                    show_header=True)
         for col in ("codec", "kernel", "", "kvstream GB/s", "naive torch GB/s", "speedup"):
             st.add_column(col)

@@ -55,24 +55,19 @@ def make_model(path: Path | str, seed: int = 0, steps: int = 100) -> Path:
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=1024, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    threads = torch.get_num_threads()
     torch.manual_seed(seed)
-    try:
-        model = LlamaForCausalLM(cfg).float().train()
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-        gen = torch.Generator().manual_seed(seed + 1)
-        for _ in range(steps):
-            x = copy_prompt(gen, batch=16, seq=96)
-            logits = model(input_ids=x).logits[:, LAG - 1:-1]  # positions < LAG: unpredictable
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                     x[:, LAG:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            warmup.step()
-    finally:
-        torch.set_num_threads(threads)
+    model = LlamaForCausalLM(cfg).float().train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        x = copy_prompt(gen, batch=16, seq=96)
+        logits = model(input_ids=x).logits[:, LAG - 1:-1]  # positions < LAG: unpredictable
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, LAG:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        warmup.step()
     model.eval().save_pretrained(path)
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
@@ -82,27 +77,40 @@ def make_model(path: Path | str, seed: int = 0, steps: int = 100) -> Path:
 
 
 def cached_model(seed: int = 0, steps: int = 100) -> Path:
-    """``make_model`` once per machine: kept under ``$KVSTREAM_CACHE_DIR`` (or
-    ``~/.cache/kvstream``)/models, built in a private directory and renamed into place so
-    that processes starting together never read half a model."""
+    """``make_model`` once per machine, kept under ``kvstream.quant.cpu.cache_dir()``/models.
+
+    Processes starting together train it once (an exclusive lock on the models directory),
+    and build in a private directory renamed into place, so none reads half a model; a
+    build killed mid-way leaves a ``.build-*`` directory the next build sweeps. Where the
+    cache is not writable the model is built in a temporary directory for this process.
+    """
+    import fcntl
+
     from kvstream.quant.cpu import cache_dir
 
     # Keyed by this file too: a changed recipe never loads the old model.
     recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    final = cache_dir() / "models" / f"tiny-llama-copy{LAG}-s{seed}-n{steps}-{recipe}"
+    models = cache_dir() / "models"
+    final = models / f"tiny-llama-copy{LAG}-s{seed}-n{steps}-{recipe}"
     if (final / "config.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
-        make_model(tmp / "m", seed=seed, steps=steps)
+        models.mkdir(parents=True, exist_ok=True)
+        lock = open(models / ".lock", "w")  # noqa: SIM115 (entered just below)
+    except OSError:
+        return make_model(Path(tempfile.mkdtemp(prefix="kvstream-tiny-llama-")) / "m", seed, steps)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").exists():  # built while we waited
+            return final
+        for stale in models.glob(".build-*"):  # only a dead builder leaves one (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=models, prefix=".build-"))
         try:
+            make_model(tmp / "m", seed=seed, steps=steps)
             os.replace(tmp / "m", final)
-        except OSError:  # another process got there first
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

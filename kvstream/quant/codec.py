@@ -93,7 +93,7 @@ class _TorchBackend:
 class _CpuBackend:
     name = "cpu"
 
-    def __init__(self, geo: _Geometry, kernel: CpuKernel, codec: str = "fp8_e4m3") -> None:
+    def __init__(self, geo: _Geometry, kernel: CpuKernel, codec: str) -> None:
         from kvstream.quant.cpu import DTYPE_CODES
 
         self.geo = geo

@@ -114,7 +114,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, geo: _Geometry, kernels: Kernels, codec: str = "fp8_e4m3") -> None:
+    def __init__(self, geo: _Geometry, kernels: Kernels, codec: str) -> None:
         if codec not in _PREFIXES:
             raise QuantizationError(f"no CUDA kernels for codec {codec!r}")
         if geo.dtype not in _SUFFIXES:

@@ -8,7 +8,7 @@ clarity, not speed: each step round-trips through float32 tensors, which is what
 makes it slow on CPU.
 
 ``fp8_e4m3``: power-of-two scale, codes are float8_e4m3fn. ``int8``: scale
-``a / 127`` with ``a = max(absmax, 2^-120)``, codes ``clamp(rint(x * (127 / a)), ±127)``
+``a / 127`` with ``a = max(absmax, 2^-119)``, codes ``clamp(rint(x * (127 / a)), ±127)``
 as int8 bytes; every step is one IEEE float32 operation (both quotients true divisions:
 torch's ``127.0 / a`` would be ``a.reciprocal() * 127``, two roundings, and on CUDA its
 ``a / 127.0`` a multiply), so C and CUDA reproduce it on any device.
@@ -25,8 +25,15 @@ if TYPE_CHECKING:
 
 __all__ = ["dequantize", "pow2_scales", "quantize", "within_bound"]
 
-# The int8 scale's floor: 127 / a stays finite (127 * 2^120 < 2^127) and a / 127 normal.
-INT8_FLOOR = 2.0 ** -120
+# The int8 scale's floor: 127 / a stays finite (127 * 2^119 < 2^127) and a / 127 normal
+# (>= 2^-126), so flush-to-zero (FTZ/DAZ, which a library may set) never zeroes a scale.
+INT8_FLOOR = 2.0 ** -119
+
+
+def _check(codec: str) -> str:
+    if codec not in ("fp8_e4m3", "int8"):
+        raise QuantizationError(f"{codec!r} is not an 8-bit codec (fp8_e4m3, int8)")
+    return codec
 
 
 def pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +51,7 @@ def quantize(x: torch.Tensor, codec: str = "fp8_e4m3") -> tuple[torch.Tensor, to
     """``x [..., P, Q, R, S]`` -> ``(codes uint8 like x, scales float32 [..., P, R])``."""
     import torch
 
+    _check(codec)
     xf = x.float()
     amax = xf.abs().amax(dim=(-3, -1))
     if not bool(torch.isfinite(amax).all()):
@@ -66,7 +74,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     past it (65,000 in fp16 comes back as 65,536), which must not become inf."""
     import torch
 
-    xf = codes.view(torch.int8 if codec == "int8" else torch.float8_e4m3fn).float()
+    xf = codes.view(torch.int8 if _check(codec) == "int8" else torch.float8_e4m3fn).float()
     top = torch.finfo(dtype).max
     return (xf * scales.unsqueeze(-2).unsqueeze(-1)).clamp(-top, top).to(dtype)
 

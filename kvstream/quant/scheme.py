@@ -129,7 +129,9 @@ def wire_fingerprint(layout: KVLayout, codec: str) -> str:
 
 
 # int8: half a step of a/127 (1/254 of the group max, plus float32 rounding), and the
-# destination's own rounding of the decoded value, relative (half an ulp, doubled).
+# destination's own rounding of the decoded value, relative, with room to spare (half an ulp
+# is 2^-11 in float16, 2^-9 in bfloat16, 2^-24 in float32); below the 2^-119 floor the
+# "+ 2^-24" absolute slack covers the step.
 _INT8_REL: Final = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -22}
 _INT8_FRAC: Final = 1.01 / 254
 
@@ -148,4 +150,6 @@ def error_bound(out_dtype: str, codec: str = "fp8_e4m3") -> tuple[float, float]:
     """
     if check_codec(codec) == "int8":
         return _INT8_REL.get(out_dtype, 2.0 ** -8), _INT8_FRAC
+    if codec == "none":
+        raise ConfigError("codec 'none' is exact: it has no error bound")
     return 2.0 ** -4, 2.0 ** -17

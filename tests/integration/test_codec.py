@@ -112,17 +112,19 @@ async def test_verbatim_needs_same_dtype_fp8_does_not(nats_server):
         assert_at_rest(p, d)
 
 
-async def test_destination_refuses_a_codec_it_does_not_accept(nats_server):
+@pytest.mark.parametrize("accept,codec", [(("none",), "fp8_e4m3"),
+                                          (("none", "fp8_e4m3"), "int8")])  # an older peer
+async def test_destination_refuses_a_codec_it_does_not_accept(nats_server, accept, codec):
     lay = layout()
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=kv(lay, fill=True)) as p, \
-            Agent(cfg("cd", nats_server, accept_codecs=("none",)), layout=lay,
+            Agent(cfg("cd", nats_server, accept_codecs=accept), layout=lay,
                   kv_caches=kv(lay, fill=False)) as d:
         rx = d.expect("r", [0, 1])
         with pytest.raises(IncompatiblePeerError, match="not accepted"):
-            await p.push("r", "cd", [0, 1], codec="fp8_e4m3")
+            await p.push("r", "cd", [0, 1], codec=codec)
         await rx.abort("refused")
         with pytest.raises(ConfigError, match="accept_codecs"):
-            await d.pull("r", "cp", [0, 1], codec="fp8_e4m3")
+            await d.pull("r", "cp", [0, 1], codec=codec)
         assert torch.count_nonzero(d.memory.layers[0]) == 0  # nothing landed
         assert_at_rest(p, d)
 

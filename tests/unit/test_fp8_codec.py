@@ -55,7 +55,7 @@ def encode_both(lay: KVLayout, t: torch.Tensor, ids: list[int], kernel: object =
     blocks = mem.block_map(ids)
     fast = LayerCodec(mem, "fp8_e4m3")
     if kernel is not None:
-        fast.backend = _CpuBackend(_Geometry(mem), kernel)
+        fast.backend = _CpuBackend(_Geometry(mem), kernel, "fp8_e4m3")
     slow = LayerCodec(mem, "fp8_e4m3", backend="torch")
     a = torch.zeros(fast.layer_bytes(len(ids)), dtype=torch.uint8)
     b = torch.zeros_like(a)
@@ -161,6 +161,10 @@ def test_compatibility_hash_covers_codec_not_engine_dtype():
     assert wire_fingerprint(f16, "fp8_e4m3") == wire_fingerprint(bf16, "fp8_e4m3")
     assert wire_fingerprint(f16, "fp8_e4m3") != f16.fingerprint
     assert wire_fingerprint(f16, "fp8_e4m3") != wire_fingerprint(layout("flash_hnd"), "fp8_e4m3")
+    assert wire_fingerprint(f16, "int8") == wire_fingerprint(bf16, "int8")
+    assert wire_fingerprint(f16, "int8") != wire_fingerprint(f16, "fp8_e4m3")
+    # Pinned: a peer built before int8 existed must still match our fp8_e4m3 wire.
+    assert wire_fingerprint(f16, "fp8_e4m3") == "6872dcb39989d70c"
 
 
 def test_fp8_cache_is_never_requantized_and_bad_codecs_are_refused():

@@ -10,6 +10,7 @@ from kvstream import KVLayout
 from kvstream._exceptions import QuantizationError
 from kvstream.dataplane.memory import RegisteredKV
 from kvstream.quant import cpu, reference
+from kvstream.quant.codec import LayerCodec
 from kvstream.quant.cpu import DTYPE_CODES
 from kvstream.quant.scheme import scale_groups
 
@@ -44,7 +45,7 @@ def block(t: torch.Tensor, lay: KVLayout, i: int) -> torch.Tensor:
 
 def hard_values(lay: KVLayout, seed: int = 0) -> torch.Tensor:
     """Wide dynamic range, zeros, negative zeros, subnormals; block 1 all zero, block 2 tiny,
-    block 3 up to the dtype's largest finite value, block 4 below the 2^-120 scale floor."""
+    block 3 up to the dtype's largest finite value, block 4 below the 2^-119 scale floor."""
     gen = torch.Generator().manual_seed(seed)
     shape = lay.tensor_shape(NB)
     dt = getattr(torch, lay.dtype)
@@ -65,7 +66,7 @@ def hard_values(lay: KVLayout, seed: int = 0) -> torch.Tensor:
     near[::7] = top
     near[3::11] = -top
     big.copy_(near.view(big.shape).to(dt))
-    if lay.dtype != "float16":  # float32 subnormal inputs (bf16 has them too): a = 2^-120
+    if lay.dtype != "float16":  # float32 subnormal inputs (bf16 has them too): a = 2^-119
         block(t, lay, 4).mul_(1e-40)
     return t
 
@@ -120,7 +121,7 @@ def test_kernel_matches_the_reference_bit_for_bit(kernel, arrangement, dtype):
     want_codes, want_scales = reference.quantize(x, "int8")
     assert same_bits(codes, want_codes)
     assert same_bits(scales, want_scales)
-    assert bool((scales[:, IDS.index(1)] == torch.tensor(2.0 ** -120) / 127).all())  # the floor
+    assert bool((scales[:, IDS.index(1)] == torch.tensor(2.0 ** -119) / 127).all())  # the floor
 
     dst = torch.full_like(t, 7.0)
     assert decode(kernel, lay, codes, scales, dst, IDS) == 0
@@ -221,7 +222,33 @@ def test_ops_names_the_codecs():
     if k is None:
         pytest.skip("no C compiler here")
     assert k.ops("fp8_e4m3") == (k.quantize, k.dequantize)
-    assert k.ops("int8") != k.ops("fp8_e4m3")
+    assert [f.__name__ for f in k.ops("int8")] == ["kvs_i8_quantize", "kvs_i8_dequantize"]
     for name in ("none", "int4", "INT8"):
         with pytest.raises(QuantizationError, match="no codec"):
             k.ops(name)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_flush_to_zero_never_zeroes_a_scale(backend):
+    """A library may turn on flush-to-zero in the thread that encodes: the floor keeps every
+    scale normal, so an all-zero group still decodes (a subnormal scale would flush to 0,
+    which the receiver must refuse)."""
+    lay = layout("flash_nhd", "float32")
+    t = torch.zeros(lay.tensor_shape(NB))
+    block(t, lay, 2).fill_(1e-39)  # float32 subnormals, below the floor
+    mem = RegisteredKV(lay, [t])
+    codec = LayerCodec(mem, "int8", backend=backend)
+    buf = torch.zeros(codec.layer_bytes(3), dtype=torch.uint8)
+    blocks = mem.block_map([0, 1, 2])
+    dst = torch.full_like(t, 7.0)
+    out = LayerCodec(RegisteredKV(lay, [dst]), "int8", backend=backend)
+    supported = torch.set_flush_denormal(True)
+    try:
+        codec.encode(0, blocks, buf)
+        out.decode(0, blocks, buf)
+    finally:
+        torch.set_flush_denormal(False)
+    assert supported  # this CPU has FTZ, so the test exercised it
+    got = dst.view(2, NB, -1)[:, :3]
+    assert bool((got[:, :2] == 0).all())
+    assert bool((got[:, 2].abs() <= 2.0 ** -119 / 254 * 1.01).all())

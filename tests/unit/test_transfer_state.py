@@ -74,6 +74,8 @@ def test_end_reasons_fall_into_few_classes():
     assert reason_class("failed", "peer lost: no heartbeat for 2.0s") == "peer_lost"
     assert reason_class("timed_out", "transfer deadline of 60s passed") == "timeout"
     assert reason_class("failed", "layer 3: KV holds inf or NaN in 2 scale groups") == "codec"
+    assert reason_class("failed", "wire codec encode failed: RuntimeError('oom')") == "codec"
+    assert reason_class("failed", "the cpu int8 backend is not available here") == "codec"
     assert reason_class("aborted", "agent shutting down") == "shutdown"
     assert reason_class("aborted", "aborted by the engine") == "aborted"
     assert reason_class("aborted", "aborted by decode-3: gave up") == "aborted_by_peer"
