@@ -86,10 +86,15 @@ def cached_model(seed: int = 0, steps: int = 100) -> Path:
     """
     import fcntl
 
+    import torch
+    import transformers
+
     from kvstream.quant.cpu import cache_dir
 
-    # Keyed by this file too: a changed recipe never loads the old model.
-    recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    # Keyed by this file and the libraries that train and save it: a changed recipe, or
+    # another environment's transformers (vLLM pins its own), never loads the wrong model.
+    recipe = hashlib.sha256(Path(__file__).read_bytes() + transformers.__version__.encode()
+                            + torch.__version__.encode()).hexdigest()[:12]
     models = cache_dir() / "models"
     final = models / f"tiny-llama-copy{LAG}-s{seed}-n{steps}-{recipe}"
     if (final / "config.json").exists():

@@ -48,9 +48,12 @@ def assert_close(src: Agent, dst: Agent, sb: list[int], db: list[int],
         assert not torch.equal(x.float(), y.float())  # it really went through the codec
 
 
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
-@pytest.mark.parametrize("arrangement", ["flash_nhd", "cpu_hnbc"])
-@pytest.mark.parametrize("sb,db", [([3, 9, 1, 14], [0, 7, 22, 5]), ([4, 5, 6], [10, 11, 12])])
+SCATTERED, RUN = ([3, 9, 1, 14], [0, 7, 22, 5]), ([4, 5, 6], [10, 11, 12])
+
+
+@pytest.mark.parametrize("codec,arrangement,sb,db", [
+    *[("fp8_e4m3", arr, *blocks) for arr in ("flash_nhd", "cpu_hnbc") for blocks in (SCATTERED, RUN)],
+    ("int8", "flash_nhd", *RUN), ("int8", "cpu_hnbc", *SCATTERED)])
 async def test_push_8bit_within_bound_half_the_bytes(nats_server, arrangement, sb, db, codec):
     lay = layout(arrangement=arrangement)
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=kv(lay, fill=True)) as p, \

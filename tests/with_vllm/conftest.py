@@ -1,4 +1,5 @@
-"""Shared by the vLLM tests: the trained tiny model, built once per session (~20-35 s)."""
+"""Shared by the vLLM tests: the trained tiny model (kvstream.bench.tiny_llama), trained
+once per machine and environment (~20-35 s), then cached."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from .engines import make_tiny_llama
+def tiny_model() -> Path:
+    from kvstream.bench.tiny_llama import cached_model
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+    return cached_model()

@@ -21,15 +21,6 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 VOCAB = 1000
 
 
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """kvstream.bench.tiny_llama's trained tiny Llama (greedy decoding copies the prompt
-    from 32 tokens back: varied tokens, decided by the cached KV, with real argmax margins;
-    a random init either repeats one token or is too ill-conditioned for FP8 KV)."""
-    from kvstream.bench.tiny_llama import make_model
-
-    return make_model(path, seed=seed)
-
-
 def prompt(n: int, seed: int) -> list[int]:
     import random
 
