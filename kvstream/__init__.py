@@ -14,6 +14,7 @@ from kvstream._exceptions import KVStreamError as KVStreamError
 from kvstream._exceptions import LayoutError as LayoutError
 from kvstream._exceptions import LeaseExpiredError as LeaseExpiredError
 from kvstream._exceptions import MessageDecodeError as MessageDecodeError
+from kvstream._exceptions import NatsConnectError as NatsConnectError
 from kvstream._exceptions import NoPeerError as NoPeerError
 from kvstream._exceptions import PeerLostError as PeerLostError
 from kvstream._exceptions import ProtocolError as ProtocolError
@@ -61,6 +62,7 @@ __all__ = (
     "LayoutError",
     "LeaseExpiredError",
     "MessageDecodeError",
+    "NatsConnectError",
     "NoPeerError",
     "PeerLostError",
     "Plan",

@@ -11,6 +11,7 @@ msgspec, torch) are translated at the module that talks to them, with
     │   ├── MessageDecodeError      malformed bytes or wrong field types
     │   └── IncompatiblePeerError   protocol version or layout fingerprint mismatch
     ├── ControlPlaneError           NATS trouble
+    │   ├── NatsConnectError        the first connection failed: refused, timed out, auth, TLS, DNS
     │   ├── NoPeerError             nobody answers for that instance (no responders)
     │   └── SidecarLostError        the local sidecar went away (kvstream.client)
     ├── DataPlaneError              UCX trouble (endpoint error, worker setup)
@@ -40,6 +41,7 @@ __all__ = [
     "LayoutError",
     "LeaseExpiredError",
     "MessageDecodeError",
+    "NatsConnectError",
     "NoPeerError",
     "PeerLostError",
     "ProtocolError",
@@ -81,6 +83,17 @@ class IncompatiblePeerError(ProtocolError):
 
 class ControlPlaneError(KVStreamError):
     """NATS could not be reached or did not deliver."""
+
+
+class NatsConnectError(ControlPlaneError):
+    """No server of ``url`` took the first connection; ``cause`` says why, in one word
+    (``refused``, ``timeout``, ``dns``, ``auth``, ``tls`` or ``other``), ``detail`` in words."""
+
+    def __init__(self, message: str, *, url: str, cause: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.cause = cause
+        self.detail = detail
 
 
 class NoPeerError(ControlPlaneError):

@@ -12,8 +12,9 @@ import anyio
 import nats
 import nats.errors
 
-from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError
+from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NatsConnectError, NoPeerError
 from kvstream.control import messages as m
+from kvstream.control.reach import classify, servers_of
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -38,22 +39,46 @@ class ControlBus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str, timeout: float = 5.0) -> ControlBus:
+        """Connect to ``url`` (one server or a comma-separated list), reconnecting for
+        ever once connected.
+
+        The first connection fails with a ``NatsConnectError`` naming the real cause as
+        soon as every server of ``url`` failed once (refused and DNS failures at once, a
+        silent server after ``connect_timeout``), and in any case after ``timeout``."""
+        from nats.aio.client import Client as NatsClient
+
+        servers = max(1, len(servers_of(url)))
+        failures: list[tuple[str, str]] = []
+        connected = False
+
+        async def on_error(exc: Exception) -> None:
+            if connected:
+                await _log_error(exc)
+                return
+            failures.append(classify(exc))
+            if len(failures) >= servers:  # each server has had its try
+                raise _GiveUp  # out of nats-py's connect loop (it catches only its own)
+
+        nc = NatsClient()
         try:
-            # nats-py keeps retrying an unreachable server when reconnects are allowed;
-            # the first connection must succeed within `timeout` or fail clearly.
             with anyio.fail_after(timeout):
-                nc = await nats.connect(
-                    url,
-                    name=name,
-                    connect_timeout=min(timeout, 2.0),
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.2,
-                    error_cb=_log_error,
-                )
-        except Exception as exc:  # nats raises OSError, TimeoutError or its own
-            raise ControlPlaneError(
-                f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from exc
+                # nats-py keeps retrying an unreachable server when reconnects are allowed;
+                # on_error stops the first connection once every server has failed.
+                await nc.connect(servers=[u.strip() for u in url.split(",") if u.strip()],
+                                 name=name, connect_timeout=min(timeout, 2.0),
+                                 allow_reconnect=True, max_reconnect_attempts=-1,
+                                 reconnect_time_wait=0.2, error_cb=on_error)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if not isinstance(exc, Exception):
+                raise
+            cause, words = failures[-1] if failures else classify(exc)
+            if not failures and isinstance(exc, TimeoutError):
+                words = f"no connection within {timeout:g}s"
+            raise NatsConnectError(f"cannot connect to NATS at {url}: {words}", url=url,
+                                   cause=cause, detail=words) from exc
+        connected = True
         return cls(nc)
 
     async def request(
@@ -153,6 +178,10 @@ class ControlBus:
                 task = asyncio.current_task()
                 if task is not None and getattr(task, "cancelling", lambda: 1)():
                     raise
+
+
+class _GiveUp(Exception):
+    """Raised from nats-py's error callback to end its first-connection loop."""
 
 
 async def _log_error(exc: Exception) -> None:

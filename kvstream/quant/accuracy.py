@@ -12,8 +12,9 @@ on the same KV: an fp8 cache with one scale per layer (what vLLM's
 Both are measured on a real round trip: every block goes through ``LayerCodec.encode``
 into a wire buffer and ``decode`` into a separate destination cache, the path the
 streams take. Sources: synthetic N(0,1) data with the outliers real K caches have, and
-the K/V and queries of tiny transformers Llamas made at run time (no hub): one trained
-here (sharp copy heads, like a real model's induction heads), one random and harsh.
+the K/V and queries of tiny transformers Llamas (no hub): one trained once and committed
+(sharp copy heads, like a real model's induction heads), one random and harsh, both the
+same on every machine.
 
 Used by ``kvstream bench --codec fp8_e4m3 --accuracy`` and by the unit tests.
 """
@@ -305,7 +306,10 @@ def _write_k(layout: KVLayout, t: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def _tiny_llama(seed: int, tokens: int) -> Any:
-    """examples/custom_engine.py's ``tiny_llama`` (random init): same config, same seed."""
+    """examples/custom_engine.py's ``tiny_llama`` config (random init, std 0.5), with the
+    weights drawn here in parameter-name order from one seeded CPU generator rather than by
+    transformers' initialiser, so every machine and transformers version gets the same
+    model (norm weights stay 1)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -313,16 +317,23 @@ def _tiny_llama(seed: int, tokens: int) -> Any:
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=max(512, tokens),
                       initializer_range=0.5)  # 0.02 repeats one token (ENGINES.md)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
+    return model
 
 
 def tiny_llama_kv(seed: int = 0, tokens: int = 256, *, dtype: str = "float16",
                   trained: bool = True) -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
     """Real K/V and queries of a tiny transformers Llama made on this machine (no hub).
 
-    ``trained`` (the default): ``kvstream.bench.tiny_llama``'s model, trained here once
-    per machine (~30 s, then cached), on a prompt of its copy language; its copy heads
+    ``trained`` (the default): ``kvstream.bench.tiny_llama``'s committed model (the same
+    weights on every machine), on a prompt of its copy language; its copy heads
     attend sharply, as a real model's induction heads do. Else examples/custom_engine.py's
     random init (initializer_range=0.5): a harsh source whose attention logits have a std
     of ~64, so softmax is near one-hot and even a bfloat16 cache moves the worst output.
@@ -340,11 +351,9 @@ def tiny_llama_kv(seed: int = 0, tokens: int = 256, *, dtype: str = "float16",
         raise ConfigError(f"tokens must be a positive multiple of {block}, got {tokens}")
     gen = torch.Generator().manual_seed(seed + 1)
     if trained:
-        from transformers import LlamaForCausalLM
+        from kvstream.bench.tiny_llama import copy_prompt, load_model
 
-        from kvstream.bench.tiny_llama import cached_model, copy_prompt
-
-        model = LlamaForCausalLM.from_pretrained(cached_model(seed)).eval()
+        model = load_model()
         ids = copy_prompt(gen, 1, tokens)
     else:
         model = _tiny_llama(seed, tokens)

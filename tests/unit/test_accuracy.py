@@ -23,13 +23,26 @@ BENCH = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)
 SMALL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16)
 REL = 2.0 ** -4
 
-# Measured (docs/architecture.md, "FP8 and int8 on the wire"): e4m3 keeps 3 mantissa bits, so K/V
-# come back with rmse/rms ~2.4 %. Where attention is spread (logit std ~1) the mean output
-# cosine is 0.9993. The trained tiny Llama's copy heads are sharp (logit std ~12, top
-# weight 0.8): e4m3 gives 0.997, int8 (same bytes) 0.9999. The random-init Llama is harsher
-# still (logit std ~64, top weight 0.97): e4m3 0.979, int8 0.998, and an fp8 cache with
-# vLLM's per-tensor scales does no better than e4m3. These tests pin those numbers, so a
-# codec change that loses accuracy fails.
+# The bounds below, and their margins. What the codecs guarantee is the element bound
+# (``within_bound``: every decoded value within ``scheme.error_bound``); every test checks it
+# exactly. Attention cosines are not a codec guarantee but a property of the KV, so they are
+# stated against fixed data: seeded synthetic KV, the committed trained tiny Llama
+# (kvstream/bench/tiny_llama.py: the same weights on every machine) and a random-init one
+# drawn from one seeded CPU generator. Those inputs are identical everywhere; what can still
+# differ between machines is float rounding in the model's forward pass. Measured on the
+# committed weights under three CPU kernel sets (ATEN_CPU_CAPABILITY default/avx2/avx512,
+# MKL and oneDNN limited to AVX2) and 1 and 2 threads, the cosines moved by at most 2e-5
+# (means) and 3e-5 (minimums); rounding every weight of the model to float16 moved them by
+# 2e-5 / 2e-3. Each bound sits at least 7e-4 (means: 35x the largest shift seen) or 0.02
+# (minimums: 10x) below the value on these inputs; the margin of each is noted with it.
+# Values (``python -m kvstream bench --accuracy``, docs/architecture.md): trained tiny Llama
+# int8 0.99970 / min 0.952, e4m3 0.99503 / 0.437, vLLM-style fp8 cache 0.99374; random-init
+# int8 0.99809, e4m3 0.97688, fp8 cache 0.97700.
+TRAINED_INT8_MEAN = 0.999  # issue 5's bar; measured 0.99970 (margin 7e-4 = 35x)
+TRAINED_INT8_MIN = 0.93  # measured 0.952
+TRAINED_FP8_MEAN = 0.994  # measured 0.99503
+INIT_FP8_MEAN = 0.975  # measured 0.97688 (margin 1.9e-3)
+INIT_INT8_MEAN = 0.997  # measured 0.99809
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +65,7 @@ def llama_report(llama_kv: tuple[KVLayout, list[torch.Tensor], torch.Tensor]) ->
 
 @pytest.fixture(scope="module")
 def trained_kv() -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
-    """The trained tiny Llama (kvstream.bench.tiny_llama, ~30 s once per machine)."""
+    """The trained tiny Llama (kvstream.bench.tiny_llama: committed weights)."""
     pytest.importorskip("transformers")
     return tiny_llama_kv()
 
@@ -72,11 +85,13 @@ def test_spread_attention_keeps_its_output() -> None:
     layers = accuracy.random_kv(BENCH, 64)
     r = measure(BENCH, layers, None, source="random")
     assert r.within_bound and r.attn_logit_std < 1.5
+    # Seeded data, no model: only the attention's own rounding differs between machines
+    # (< 1e-6). Measured: e4m3 0.99927 / min 0.99862, int8 0.99993 / min 0.99984.
     assert r.attn_cosine_mean >= 0.999
     assert r.attn_cosine_min >= 0.998
     i8 = measure(BENCH, layers, None, source="random", codec="int8")
     assert i8.within_bound and i8.wire_bytes == r.wire_bytes
-    assert i8.attn_cosine_mean >= 0.9999 and i8.attn_cosine_min >= 0.9995
+    assert i8.attn_cosine_mean >= 0.9998 and i8.attn_cosine_min >= 0.9995
     assert i8.rmse_over_rms < 0.01
 
 
@@ -91,7 +106,6 @@ def test_int8_within_its_bound_where_outliers_stretch_the_scale(
     assert i8.attn_cosine_mean < random_report.attn_cosine_mean
 
 
-@pytest.mark.timeout(600)  # the first run on a machine trains the test transformer (~30 s)
 def test_test_transformer_attention_with_int8(
         trained_kv: tuple[KVLayout, list[torch.Tensor], torch.Tensor]) -> None:
     """The issue's bar: attention-output cosine >= 0.999 on the test transformer's real KV.
@@ -104,10 +118,11 @@ def test_test_transformer_attention_with_int8(
                    yardstick="fp8 per-tensor (vLLM cache)")
     assert i8.within_bound and fp8.within_bound
     assert 5 < i8.attn_logit_std < 30  # sharp heads, as a trained model has
-    assert i8.attn_cosine_mean >= 0.999
-    assert i8.attn_cosine_min >= 0.98
-    assert fp8.attn_cosine_mean >= 0.995
-    assert fp8.attn_cosine_mean >= vllm.attn_cosine_mean - 1e-3
+    assert i8.attn_cosine_mean >= TRAINED_INT8_MEAN
+    assert i8.attn_cosine_min >= TRAINED_INT8_MIN
+    assert fp8.attn_cosine_mean >= TRAINED_FP8_MEAN
+    assert fp8.attn_cosine_mean >= vllm.attn_cosine_mean  # measured 1.3e-3 above it
+    assert i8.attn_cosine_mean > fp8.attn_cosine_mean
     assert i8.wire_bytes == fp8.wire_bytes < 0.51 * fp8.raw_bytes
 
 
@@ -124,11 +139,11 @@ def test_tiny_llama_attention_no_worse_than_an_fp8_cache(
     vllm = measure(layout, layers, queries, source="tiny-llama",
                    yardstick="fp8 per-tensor (vLLM cache)")
     assert llama_report.attn_logit_std > 30  # the harsh case: near one-hot attention
-    assert llama_report.attn_cosine_mean >= 0.975
-    assert llama_report.attn_cosine_mean >= vllm.attn_cosine_mean - 2e-3
+    assert llama_report.attn_cosine_mean >= INIT_FP8_MEAN
+    assert llama_report.attn_cosine_mean >= vllm.attn_cosine_mean - 2e-3  # measured -1.2e-4
     assert llama_report.rmse_over_rms <= vllm.rmse_over_rms + 1e-3
     i8 = measure(layout, layers, queries, source="tiny-llama-init0.5", codec="int8")
-    assert i8.attn_cosine_mean >= 0.998
+    assert i8.attn_cosine_mean >= INIT_INT8_MEAN
 
 
 def test_tiny_llama_queries_are_the_models_own() -> None:
