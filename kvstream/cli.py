@@ -1,4 +1,4 @@
-"""The ``kvstream`` command line (click): plan, nats, bench, demo, sidecar, proxy.
+"""The ``kvstream`` command line (click): plan, nats, bench, demo, doctor, sidecar, proxy.
 
 Argument errors and kvstream errors print one line and exit 2 / 1; no tracebacks.
 """
@@ -79,7 +79,7 @@ def plan(
     rtt_us: float | None, codec: str, prefill_ms: float | None, gpu: str, mfu: float,
     first_decode_ms: float | None, qps: float | None, as_json: bool, list_presets: bool,
 ) -> None:
-    """What moving one prompt's KV costs, and whether disaggregation pays."""
+    """What moving one prompt's KV costs; does disaggregation pay?"""
     from kvstream.planner import estimate_decode_step_s, estimate_prefill_s, plan_transfer
     from kvstream.presets import GPUS, LINKS, MODELS, get_gpu, get_link
 
@@ -148,7 +148,10 @@ def plan(
 @click.option("--port", type=click.IntRange(1, 65535), default=4222, show_default=True,
               help="loopback port")
 def nats(port: int) -> None:
-    """Run an embedded nats-server with JetStream on loopback until interrupted."""
+    """Run an embedded nats-server (JetStream, loopback).
+
+    Prints its URL and runs until interrupted.
+    """
     import signal
     import threading
 
@@ -223,7 +226,10 @@ def bench(
     modes: tuple[str, ...], prefix_hit: float, codecs: tuple[str, ...], transport: str,
     tracing: bool, accuracy: bool, nats_url: str | None, as_json: bool,
 ) -> None:
-    """Stream a synthetic KV cache between two processes; compare with raw ucxx."""
+    """Time a synthetic KV transfer between two processes, vs raw ucxx.
+
+    Every byte is verified; memcpy and raw ucxx are measured in the same run.
+    """
     from kvstream.bench.runner import run_bench
 
     if accuracy:
@@ -257,8 +263,13 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
 @click.argument("span_files", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--last", type=click.IntRange(min=1), default=3, show_default=True,
               help="show the last N transfers")
-def trace(span_files: tuple[str, ...], last: int) -> None:
-    """Draw transfers from JSON-lines span files (``--trace-file``) as text waterfalls."""
+@click.option("--fold", type=click.IntRange(min=1), default=None,
+              help="draw the layers in at most N groups (default: every layer)")
+def trace(span_files: tuple[str, ...], last: int, fold: int | None) -> None:
+    """Draw transfers from span files as text waterfalls.
+
+    SPAN_FILES are JSON-lines span files, as written by --trace-file.
+    """
     from kvstream.tracefile import load_spans, traces, waterfall
 
     spans = [s for path in span_files for s in load_spans(path)]
@@ -266,7 +277,7 @@ def trace(span_files: tuple[str, ...], last: int) -> None:
     if not found:
         raise ConfigError("no kvstream transfer in those files")
     for ss in found[-last:]:
-        click.echo(waterfall(ss))
+        click.echo(waterfall(ss, fold=fold))
         click.echo()
 
 
@@ -288,13 +299,24 @@ def _accuracy(codecs: list[str], dtype: str, as_json: bool) -> None:
 @click.option("--link", default="ib-400g", show_default=True,
               help="link preset for the planner's prediction")
 @click.option("--nats-url", help="NATS URL (default: an embedded server)")
+@click.option("--waterfall", "full_waterfall", is_flag=True,
+              help="draw every layer of the pipelined transfer (default: 8 groups of layers)")
+@click.option("--fault", type=click.Choice(["corrupt"]), default=None, hidden=True,
+              help="corrupt a byte on the decode side (tests: the demo must fail)")
 def demo(model: str, tokens: int, layer_compute_ms: float, link: str,
-         nats_url: str | None) -> None:
-    """Stream one prompt's KV from a prefill process to a decode process, layer by layer."""
+         nats_url: str | None, full_waterfall: bool, fault: str | None) -> None:
+    """Stream one prompt's KV from a prefill to a decode process.
+
+    Layer by layer, verified byte for byte, against raw ucxx and memcpy measured
+    in the same run; ends with one verdict line (PASS or FAIL) and exits 1 on FAIL.
+    """
     from kvstream.bench.report import run_demo
 
     spec = _bench_spec(model, 0, 0, 0, 16, "float16", tokens, False)
-    run_demo(spec, model=model, layer_compute_ms=layer_compute_ms, link=link, nats_url=nats_url)
+    result = run_demo(spec, model=model, layer_compute_ms=layer_compute_ms, link=link,
+                      nats_url=nats_url, full_waterfall=full_waterfall, fault=fault or "")
+    if not result.ok:
+        sys.exit(1)
 
 
 @app.command()
@@ -321,7 +343,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
             max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
             log_level: str, trace_file: str | None) -> None:
-    """Run an Agent next to one engine, serving it over a Unix socket."""
+    """Run an agent next to one engine, served over a Unix socket."""
     import logging
     import os
     import signal
@@ -378,7 +400,11 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
 def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
           timeout: float, log_level: str) -> None:
-    """OpenAI-compatible prefill/decode proxy; engines found in the kvstream registry."""
+    """OpenAI-compatible prefill/decode proxy over the registry.
+
+    Engines are found in the kvstream registry on NATS (or given with --prefill and
+    --decode).
+    """
     import logging
     import signal
 

@@ -118,6 +118,7 @@ class SendHandle(_Handle):
         if self._ready_count == self.transfer.num_layers:
             self.last_ready_at = time.monotonic()
             self._all_ready.set()
+            telemetry.all_layers_ready(self.transfer)
 
     def all_ready(self) -> None:
         for layer in range(self.transfer.num_layers):

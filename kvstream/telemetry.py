@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvstream.transfer import Transfer
 
 __all__ = [
+    "all_layers_ready",
     "context_from",
     "headers_of",
     "layer_span",
@@ -273,6 +274,17 @@ def end_layer(span: Span | None, ok: bool) -> None:
         span.end()
     except Exception:
         log.exception("ending a layer span failed")
+
+
+def all_layers_ready(t: Transfer) -> None:
+    """The source engine has marked its last layer ready: the start of exposed time (the
+    one definition kvstream uses: from here to the destination's last byte in place)."""
+    span = t.span
+    if span is not None and span.is_recording():
+        try:
+            span.add_event("all_layers_ready")
+        except Exception:
+            log.exception("recording all_layers_ready failed")
 
 
 def record_wait(t: Transfer, layer: int, start_ns: int) -> None:

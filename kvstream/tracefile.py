@@ -15,7 +15,7 @@ from typing import Any
 
 from kvstream._exceptions import ConfigError
 
-__all__ = ["load_spans", "traces", "waterfall"]
+__all__ = ["exposed_ns", "load_spans", "traces", "waterfall"]
 
 TRANSFER_SPANS = ("kvstream.push", "kvstream.receive", "kvstream.pull", "kvstream.serve_pull")
 
@@ -58,50 +58,110 @@ def traces(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _bar(s: dict[str, Any], t0: int, total: int, width: int) -> str:
-    """``#`` busy; ``.`` a receive posted but its data not yet there."""
-    a = round((s["start_ns"] - t0) / total * width)
-    b = max(a + 1, round((s["end_ns"] - t0) / total * width))
-    arrived = next((_ns(e["timestamp"]) for e in s.get("events", ()) if e["name"] == "arrived"),
-                   None)
+    """``#`` busy; ``.`` a receive posted but its data not yet there. Always ``width``
+    columns: a span that ends on the frame's last nanosecond stays inside it."""
+    a = min(width - 1, max(0, round((s["start_ns"] - t0) / total * width)))
+    b = min(width, max(a + 1, round((s["end_ns"] - t0) / total * width)))
+    arrived = s.get("arrived_ns")
+    if arrived is None:
+        arrived = next((_ns(e["timestamp"]) for e in s.get("events", ())
+                        if e["name"] == "arrived"), None)
     m = a if arrived is None else min(b - 1, max(a, round((arrived - t0) / total * width)))
     return " " * a + "." * (m - a) + "#" * (b - m) + " " * (width - b)
 
 
-def waterfall(spans: list[dict[str, Any]], *, width: int = 48) -> str:
-    """One trace's transfer: transfer spans, then each layer's send and receive spans."""
+def exposed_ns(spans: list[dict[str, Any]]) -> int | None:
+    """kvstream's one definition of exposed time: from the source engine marking its last
+    layer ready (the ``all_layers_ready`` event of the push span) to the destination's last
+    byte in place (the end of its transfer span). None when the trace does not hold both
+    (a pull: the source was done before the transfer started, so all of it is exposed)."""
+    ready = [_ns(e["timestamp"]) for s in spans if s["name"] == "kvstream.push"
+             for e in s.get("events", ()) if e["name"] == "all_layers_ready"]
+    ends = [s["end_ns"] for s in spans if s["name"] == "kvstream.receive"]
+    if not ready or not ends:
+        return None
+    return max(ends) - max(ready)
+
+
+def _fold(name: str, group: list[dict[str, Any]]) -> dict[str, Any]:
+    """One span standing for several layers' spans of one kind: first start to last end."""
+    arrived = [_ns(e["timestamp"]) for s in group for e in s.get("events", ())
+               if e["name"] == "arrived"]
+    return {"name": name, "start_ns": min(s["start_ns"] for s in group),
+            "end_ns": max(s["end_ns"] for s in group),
+            "arrived_ns": max(arrived) if arrived else None,
+            "attributes": {"kvstream.bytes": sum(s["attributes"].get("kvstream.bytes", 0)
+                                                 for s in group)},
+            "status": {"status_code": "ERROR" if any(s["status"]["status_code"] == "ERROR"
+                                                     for s in group) else "OK"}}
+
+
+def _layer_rows(spans: list[dict[str, Any]], fold: int | None
+                ) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """Rows ``(label, span or None, note)``: per layer its send, its receive and the
+    engine's wait (a layer the engine never waited for gets a row that says so); with
+    ``fold``, layers in at most ``fold`` groups, a send and a receive row each."""
+    by: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for s in spans:
+        if s["name"].startswith("kvstream.layer.") or s["name"] == "kvstream.wait_layer":
+            by[int(s["attributes"].get("kvstream.layer", -1))][
+                s["name"].removeprefix("kvstream.").replace("layer.", "")].append(s)
+    layers = sorted(by)
+    rows: list[tuple[str, dict[str, Any] | None, str]] = []
+    if fold is None or len(layers) <= fold:
+        for layer in layers:
+            for kind in ("send", "receive", "wait_layer"):
+                if by[layer][kind]:
+                    rows += [(f"L{layer} {kind}", s, "") for s in by[layer][kind]]
+                elif kind == "wait_layer" and by[layer]["receive"]:
+                    rows.append((f"L{layer} wait_layer", None,
+                                 "no wait: landed before the engine asked"))
+        return rows
+    step = -(-len(layers) // fold)
+    for i in range(0, len(layers), step):
+        part = layers[i:i + step]
+        label = f"L{part[0]}-{part[-1]}"
+        waited = [s for layer in part for s in by[layer]["wait_layer"]]
+        wait_ms = sum(s["end_ns"] - s["start_ns"] for s in waited) / 1e6
+        for kind in ("send", "receive"):
+            group = [s for layer in part for s in by[layer][kind]]
+            if group:
+                note = (f"engine waited {wait_ms:.2f} ms on {len(waited)} of {len(part)} layers"
+                        if kind == "receive" else "")
+                rows.append((f"{label} {kind}", _fold(kind, group), note))
+    return rows
+
+
+def waterfall(spans: list[dict[str, Any]], *, width: int = 48, fold: int | None = None) -> str:
+    """One trace's transfer: transfer spans, then each layer's send, receive and engine
+    wait (``fold``: layers in at most that many groups), then the exposed time."""
     if not spans:
         return "(no spans)"
     t0 = min(s["start_ns"] for s in spans)
     t1 = max(s["end_ns"] for s in spans)
     total = max(t1 - t0, 1)
-    rows: list[tuple[str, dict[str, Any]]] = []
-    for s in sorted((s for s in spans if s["name"] in (*TRANSFER_SPANS, "kvstream.manifest")),
-                    key=lambda s: s["start_ns"]):
-        rows.append((s["name"].removeprefix("kvstream."), s))
-    layers: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for s in spans:
-        if s["name"].startswith("kvstream.layer.") or s["name"] == "kvstream.wait_layer":
-            layers[int(s["attributes"].get("kvstream.layer", -1))].append(s)
-    for layer in sorted(layers):
-        for s in sorted(layers[layer], key=lambda s: s["name"]):
-            rows.append((f"L{layer} {s['name'].removeprefix('kvstream.').replace('layer.', '')}",
-                         s))
+    rows: list[tuple[str, dict[str, Any] | None, str]] = [
+        (s["name"].removeprefix("kvstream."), s, "")
+        for s in sorted((s for s in spans if s["name"] in (*TRANSFER_SPANS, "kvstream.manifest")),
+                        key=lambda s: s["start_ns"])]
+    rows += _layer_rows(spans, fold)
     lines = [f"trace {spans[0]['context']['trace_id']}   {total / 1e6:.2f} ms   "
-             f"(one column = {total / width / 1e6:.2f} ms)"]
-    label_w = max(len(label) for label, _ in rows)
-    for label, s in rows:
+             f"(one column = {total / width / 1e6:.2f} ms; # busy, . posted, data not there)"]
+    label_w = max(len(label) for label, _, _ in rows)
+    for label, s, note in rows:
+        if s is None:
+            lines.append(f"{label:<{label_w}} |{' ' * width}|          {note}")
+            continue
         a = s["attributes"]
-        note = []
+        notes = [note] if note else []
         if "kvstream.bytes" in a:
-            note.append(f"{a['kvstream.bytes']:,} B")
+            notes.insert(0, f"{a['kvstream.bytes']:,} B")
         if s["status"]["status_code"] == "ERROR":
-            note.append(f"ERROR {s['status'].get('description', '')}")
+            notes.append(f"ERROR {s['status'].get('description', '')}".rstrip())
         lines.append(f"{label:<{label_w}} |{_bar(s, t0, total, width)}| "
-                     f"{(s['end_ns'] - s['start_ns']) / 1e6:8.2f} ms {' '.join(note)}")
-    sends = [s for s in spans if s["name"] == "kvstream.layer.send"]
-    ends = [s["end_ns"] for s in spans if s["name"] in ("kvstream.receive", "kvstream.pull")]
-    if sends and ends:
-        exposed = max(ends) - max(s["start_ns"] for s in sends)
-        lines.append(f"exposed: {exposed / 1e6:.2f} ms from the last layer leaving the source "
-                     f"to the decode side's last byte")
+                     f"{(s['end_ns'] - s['start_ns']) / 1e6:8.2f} ms {' '.join(notes)}".rstrip())
+    exposed = exposed_ns(spans)
+    if exposed is not None:
+        lines.append(f"exposed: {exposed / 1e6:.2f} ms from the prefill engine's last "
+                     f"layer_ready to the decode side's last byte in place")
     return "\n".join(lines)

@@ -43,6 +43,18 @@ class KVRun(msgspec.Struct, kw_only=True):
     codec: str = "none"
 
 
+def _check_nats(url: str) -> None:
+    import anyio
+
+    from kvstream.control.bus import ControlBus
+
+    async def connect() -> None:
+        bus = await ControlBus.connect(url, name="kvstream-bench")
+        await bus.close()
+
+    anyio.run(connect)
+
+
 class Harness:
     """NATS, a decode process and a prefill process; ``with Harness(spec) as h``."""
 
@@ -95,6 +107,8 @@ class Harness:
             if self._nats_url is None:
                 self._nats = EmbeddedNats().start()
                 self._nats_url = self._nats.url
+            else:  # the cause in one line here, not a traceback from each child
+                _check_nats(self._nats_url)
             blob = msgspec.msgpack.encode(self.spec)
             targets = (self._start_sidecars(blob) if self.sidecar
                        else {"decode": self._nats_url, "prefill": self._nats_url})
@@ -160,7 +174,7 @@ class Harness:
 
     def run_kv(self, *, mode: str = "push-pipelined", compute_ms: float = 0.0,
                verify: bool = True, on_event: Callable[[Event], None] | None = None,
-               codec: str = "none") -> KVRun:
+               codec: str = "none", tamper: bool = False) -> KVRun:
         """One transfer in ``mode`` (one of MODES; "pipelined"/"eager" mean push).
 
         Push: timed from the push to the last byte in place; exposed time is what is left
@@ -180,7 +194,7 @@ class Harness:
         decode = Cmd(op="kv", run=r, request_id=rid, blocks=self.dst_ids, peer="bench-prefill",
                      src_blocks=self.src_ids, verify=verify, report_layers=on_event is not None,
                      pull=pull, hit_blocks=self.spec.hit_blocks, compute_ms=compute_ms,
-                     codec=codec)
+                     codec=codec, tamper=tamper)
         prefill = Cmd(op="kv", run=r, request_id=rid, peer="bench-decode", blocks=self.src_ids,
                       mode="pipelined" if pull else when, compute_ms=compute_ms, pull=pull,
                       codec=codec)

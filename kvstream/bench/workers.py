@@ -37,6 +37,7 @@ class Cmd(msgspec.Struct, kw_only=True):
     wire: bool = False
     verify: bool = True
     report_layers: bool = False
+    tamper: bool = False  # decode side: flip a byte after the transfer (a fault for tests)
 
 
 class Event(msgspec.Struct, kw_only=True):
@@ -153,6 +154,15 @@ def _prepare(spec: BenchSpec, mem: Any, src_ids: list[int], dst_ids: list[int],
             mem.scatter(layer, held, want)
 
 
+def _tamper(mem: Any, dst_ids: list[int]) -> None:
+    """Flip one byte of the first destination block, as silent corruption would."""
+    import torch
+
+    block = mem._planes[0][0][int(mem.block_map(dst_ids[:1]).index[0])]
+    flat = block.view(torch.uint8).view(-1)
+    flat[0] = flat[0] ^ 0xFF
+
+
 class _Side:
     """What a command handler works with: a client (in-process or sidecar) and the memory."""
 
@@ -263,6 +273,8 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
                 await handle.wait_layer(layer)
                 wait_us.append(_us_since(t))
         verified = False
+        if result.ok and cmd.tamper:
+            _tamper(side.memory, cmd.blocks)
         if result.ok and cmd.verify:
             verified = await anyio.to_thread.run_sync(
                 _verify, spec, side.memory, cmd.src_blocks, cmd.blocks, result.codec)

@@ -72,8 +72,36 @@ def test_demo_runs_and_verifies(nats_server):
     out = _kvstream("demo", "--tokens", "256", "--layer-compute-ms", "1",
                     "--nats-url", nats_server.url)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "verified byte for byte" in out.stdout and "yes" in out.stdout
     assert "planner on ib-400g" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS: moved 32 MiB of KV") and "verified byte for byte" in last
+    assert "x raw ucxx" in last and "x memcpy" in last
+    # one definition of exposed: the waterfall's (spans) and the table's (the processes'
+    # clocks) measure the same interval of the same transfer
+    assert "exposed: " in out.stdout and "last layer_ready" in out.stdout
+    # folded: 8 groups of 4 layers, every bar inside its frame
+    bars = [ln for ln in out.stdout.splitlines() if ln.count("|") >= 2 and " ms" in ln
+            and not ln.startswith(("│", "┃"))]
+    assert sum(" send " in ln for ln in bars) == 8
+    widths = {ln.index("|", ln.index("|") + 1) - ln.index("|") for ln in bars}
+    assert widths == {49}, widths
+
+
+def test_demo_full_waterfall_has_every_layer(nats_server):
+    out = _kvstream("demo", "--tokens", "256", "--layer-compute-ms", "1", "--waterfall",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for layer in range(32):
+        for kind in ("send", "receive", "wait_layer"):
+            assert f"L{layer} {kind} " in out.stdout, (layer, kind)
+
+
+def test_demo_fails_when_verification_fails(nats_server):
+    out = _kvstream("demo", "--tokens", "256", "--layer-compute-ms", "1", "--fault", "corrupt",
+                    "--nats-url", nats_server.url)
+    assert out.returncode == 1, out.stdout[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL:") and "differ" in last
 
 
 def test_bench_bad_argument_is_one_line():

@@ -55,3 +55,21 @@ def test_argument_errors_are_one_line(argv, code, capsys):
     assert ei.value.code == code
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvstream: error:") and "\n" not in err and "Traceback" not in err
+
+
+def test_help_reads_whole():
+    """Every command's line in `kvstream --help` is its whole first sentence, in plain
+    text (click cuts a longer one with '...'; reST markup would show as backticks)."""
+    from click.testing import CliRunner
+
+    from kvstream.cli import app
+
+    out = CliRunner().invoke(app, ["--help"], terminal_width=80)
+    assert out.exit_code == 0
+    listed = out.output.split("Commands:")[1].strip().splitlines()
+    assert {ln.split()[0] for ln in listed} == set(app.commands)
+    for line in listed:
+        assert not line.rstrip().endswith("...") and "``" not in line, line
+    for name in app.commands:
+        sub = CliRunner().invoke(app, [name, "--help"], terminal_width=80)
+        assert sub.exit_code == 0 and "``" not in sub.output, name

@@ -89,3 +89,52 @@ def test_two_transfers_in_one_request_trace_are_drawn_apart():
     for ss in found.values():
         assert [s["name"] for s in ss].count("kvstream.layer.send") == 1
         assert "manifest" in waterfall(ss) and "L0 send" in waterfall(ss)
+
+
+def _iso(ns: int) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat()
+
+
+def _push_trace(layers: int) -> list[dict]:
+    base = 1_700_000_000_000_000_000
+    ms = 1_000_000
+    push = _span("kvstream.push", "p", None, "T", base, base + 100 * ms)
+    push["events"] = [{"name": "all_layers_ready", "timestamp": _iso(base + 60 * ms)}]
+    spans = [push, _span("kvstream.receive", "r", "p", "T", base, base + 100 * ms)]
+    for layer in range(layers):
+        t = base + layer * 10 * ms
+        spans += [_span("kvstream.layer.send", f"s{layer}", "p", "T", t, t + 5 * ms,
+                        **{"kvstream.layer": layer, "kvstream.bytes": 10}),
+                  _span("kvstream.layer.receive", f"l{layer}", "r", "T", t, t + 40 * ms,
+                        **{"kvstream.layer": layer, "kvstream.bytes": 10})]
+        if layer % 2:  # the engine waited for odd layers only
+            spans.append(_span("kvstream.wait_layer", f"w{layer}", "r", "T", t, t + ms,
+                               **{"kvstream.layer": layer}))
+    return spans
+
+
+def test_waterfall_rows_stay_in_their_frame_and_every_layer_has_its_wait_row():
+    text = waterfall(_push_trace(8), width=20)
+    bars = [ln for ln in text.splitlines() if ln.count("|") == 2]
+    assert {ln.rindex("|") - ln.index("|") for ln in bars} == {21}  # receive spans end last
+    for layer in range(8):
+        assert f"L{layer} wait_layer" in text
+    assert text.count("no wait: landed before the engine asked") == 4
+
+
+def test_exposed_is_last_layer_ready_to_last_byte():
+    from kvstream.tracefile import exposed_ns
+
+    spans = _push_trace(4)
+    assert exposed_ns(spans) == 40_000_000  # receive ends at 100 ms, ready at 60 ms
+    assert "exposed: 40.00 ms from the prefill engine's last layer_ready" in waterfall(spans)
+    spans[0]["events"] = []  # no ready event (a pull): no exposed line rather than a guess
+    assert exposed_ns(spans) is None and "exposed" not in waterfall(spans)
+
+
+def test_folded_waterfall_groups_layers():
+    text = waterfall(_push_trace(32), fold=8)
+    assert "L0-3 send" in text and "L28-31 receive" in text and "L4 " not in text
+    assert text.count(" send ") == 8 and "engine waited 2.00 ms on 2 of 4 layers" in text
