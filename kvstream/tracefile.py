@@ -72,15 +72,20 @@ def _bar(s: dict[str, Any], t0: int, total: int, width: int) -> str:
 
 def exposed_ns(spans: list[dict[str, Any]]) -> int | None:
     """kvstream's one definition of exposed time: from the source engine marking its last
-    layer ready (the ``all_layers_ready`` event of the push span) to the destination's last
-    byte in place (the end of its transfer span). None when the trace does not hold both
-    (a pull: the source was done before the transfer started, so all of it is exposed)."""
+    layer ready to the destination's last byte in place. For a push: from the push span's
+    ``all_layers_ready`` event to the end of the receive span. For a pull the source was
+    done before the pull started, so all of it is exposed: the pull span's length (a lazy
+    pull hides part of it under the decode forward: the wait_layer rows show how much).
+    None when the trace holds neither."""
     ready = [_ns(e["timestamp"]) for s in spans if s["name"] == "kvstream.push"
              for e in s.get("events", ()) if e["name"] == "all_layers_ready"]
     ends = [s["end_ns"] for s in spans if s["name"] == "kvstream.receive"]
-    if not ready or not ends:
-        return None
-    return max(ends) - max(ready)
+    if ready and ends:
+        return max(ends) - max(ready)
+    pulls = [s for s in spans if s["name"] == "kvstream.pull"]
+    if pulls:
+        return max(s["end_ns"] for s in pulls) - min(s["start_ns"] for s in pulls)
+    return None
 
 
 def _fold(name: str, group: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,7 +166,11 @@ def waterfall(spans: list[dict[str, Any]], *, width: int = 48, fold: int | None 
         lines.append(f"{label:<{label_w}} |{_bar(s, t0, total, width)}| "
                      f"{(s['end_ns'] - s['start_ns']) / 1e6:8.2f} ms {' '.join(notes)}".rstrip())
     exposed = exposed_ns(spans)
-    if exposed is not None:
+    if exposed is not None and any(s["name"] == "kvstream.pull" for s in spans):
+        waited = sum(s["end_ns"] - s["start_ns"] for s in spans if s["name"] == "kvstream.wait_layer")
+        lines.append(f"exposed: {exposed / 1e6:.2f} ms, the whole pull (the prefill was done "
+                     f"before it); the decode engine waited {waited / 1e6:.2f} ms of it")
+    elif exposed is not None:
         lines.append(f"exposed: {exposed / 1e6:.2f} ms from the prefill engine's last "
                      f"layer_ready to the decode side's last byte in place")
     return "\n".join(lines)

@@ -130,8 +130,11 @@ def test_exposed_is_last_layer_ready_to_last_byte():
     spans = _push_trace(4)
     assert exposed_ns(spans) == 40_000_000  # receive ends at 100 ms, ready at 60 ms
     assert "exposed: 40.00 ms from the prefill engine's last layer_ready" in waterfall(spans)
-    spans[0]["events"] = []  # no ready event (a pull): no exposed line rather than a guess
+    spans[0]["events"] = []  # no ready event and no pull: no exposed line rather than a guess
     assert exposed_ns(spans) is None and "exposed" not in waterfall(spans)
+    spans[0]["name"] = "kvstream.pull"  # a pull: the source was done before it started
+    assert exposed_ns(spans) == 100_000_000
+    assert "exposed: 100.00 ms, the whole pull" in waterfall(spans)
 
 
 def test_folded_waterfall_groups_layers():
