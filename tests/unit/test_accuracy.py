@@ -22,6 +22,7 @@ from kvstream.quant.scheme import wire_layer_bytes
 BENCH = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)
 SMALL = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16)
 REL = 2.0 ** -4
+NEEDS_DEV = "needs transformers: pip install -e '.[dev]' (README command 2)"
 
 # The bounds below, and their margins. What the codecs guarantee is the element bound
 # (``within_bound``: every decoded value within ``scheme.error_bound``); every test checks it
@@ -53,7 +54,7 @@ def random_report() -> AccuracyReport:
 @pytest.fixture(scope="module")
 def llama_kv() -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
     """The random-init (harsh) tiny Llama."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason=NEEDS_DEV)
     return tiny_llama_kv(trained=False)
 
 
@@ -66,7 +67,7 @@ def llama_report(llama_kv: tuple[KVLayout, list[torch.Tensor], torch.Tensor]) ->
 @pytest.fixture(scope="module")
 def trained_kv() -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
     """The trained tiny Llama (kvstream.bench.tiny_llama: committed weights)."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason=NEEDS_DEV)
     return tiny_llama_kv()
 
 
@@ -150,7 +151,7 @@ def test_tiny_llama_queries_are_the_models_own() -> None:
     """The captured queries against the cached K/V reproduce the model's attention output
     for the last token (where attending to every token is exactly causal). float32: this
     model's attention is so peaked that float16 K/V alone move some outputs by 0.1."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason=NEEDS_DEV)
     layout, layers, queries = tiny_llama_kv(dtype="float32", trained=False)
     assert queries.shape == (4, 8, accuracy.QUERY_TOKENS, 32)
     model = accuracy._tiny_llama(0, 256)

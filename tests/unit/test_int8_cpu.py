@@ -28,7 +28,7 @@ def kernel(request) -> cpu.CpuKernel:
         return k
     k = cpu.load()
     if k is None:
-        pytest.skip("no C compiler here")
+        pytest.skip("no C compiler (cc): apt-get install gcc builds the CPU codec kernel")
     return k
 
 
@@ -220,7 +220,7 @@ def test_non_finite_kv_is_counted(kernel, dtype, value):
 def test_ops_names_the_codecs():
     k = cpu.load()
     if k is None:
-        pytest.skip("no C compiler here")
+        pytest.skip("no C compiler (cc): apt-get install gcc builds the CPU codec kernel")
     assert k.ops("fp8_e4m3") == (k.quantize, k.dequantize)
     assert [f.__name__ for f in k.ops("int8")] == ["kvs_i8_quantize", "kvs_i8_dequantize"]
     for name in ("none", "int4", "INT8"):

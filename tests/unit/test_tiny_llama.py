@@ -10,7 +10,8 @@ import torch
 from kvstream.bench import tiny_llama
 from kvstream.bench.tiny_llama import LAG, WEIGHTS, WEIGHTS_SHA256, copy_prompt
 
-pytest.importorskip("transformers", reason="pip install -e '.[dev]' (README command 2)")
+pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[dev]' "
+                    "(README command 2)")
 
 
 def test_weights_are_the_pinned_file() -> None:
