@@ -15,7 +15,9 @@ import msgspec
 from kvstream._exceptions import ConfigError, KVStreamError
 from kvstream.quant.scheme import CODECS
 
-__all__ = ["app", "main"]
+__all__ = ["LOG_FORMAT", "app", "main"]
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 
@@ -353,7 +355,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
     from kvstream.config import AgentConfig
     from kvstream.sidecar.server import Sidecar
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
     config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
@@ -409,15 +411,15 @@ def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: 
     import signal
 
     import anyio
-    from rich.logging import RichHandler
 
     from kvstream.control.nats_server import DEFAULT_NATS_URL
     from kvstream.proxy import Proxy, ProxyConfig
 
     if no_nats and nats_url:
         raise ConfigError("--no-nats and --nats-url contradict each other")
-    logging.basicConfig(level=log_level.upper(), format="%(message)s",
-                        handlers=[RichHandler(show_path=False, markup=False)])
+    # One record per line (a file or a log collector must not get records wrapped at the
+    # terminal's width), with time, level and logger as the sidecar's.
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     config = ProxyConfig(host=host, port=port, namespace=namespace,
                          nats_url=None if no_nats else (nats_url or DEFAULT_NATS_URL),
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
@@ -434,6 +436,15 @@ def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: 
                     return
 
     anyio.run(run)
+
+
+def _register_doctor() -> None:
+    from kvstream.doctor import doctor
+
+    app.add_command(doctor)
+
+
+_register_doctor()
 
 
 def main(argv: list[str] | None = None) -> None:
