@@ -6,6 +6,7 @@ Argument errors and kvstream errors print one line and exit 2 / 1; no tracebacks
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -15,9 +16,23 @@ import msgspec
 from kvstream._exceptions import ConfigError, KVStreamError
 from kvstream.quant.scheme import CODECS
 
-__all__ = ["LOG_FORMAT", "app", "main"]
+__all__ = ["LOG_FORMAT", "OneLineFormatter", "app", "main"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class OneLineFormatter(logging.Formatter):
+    """One record, one line: a log file or collector reads records by line, so the line
+    breaks of a message or a traceback are written as ``\\n``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\r", "").replace("\n", "\\n")
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 
@@ -355,7 +370,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
     from kvstream.config import AgentConfig
     from kvstream.sidecar.server import Sidecar
 
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    _log_to_stderr(log_level)
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
     config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
@@ -397,17 +412,20 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
               help="seconds without a heartbeat before an instance is not routed to")
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True,
               help="seconds for the prefill leg, and the longest silence of the decode leg")
+@click.option("--no-prefill", type=click.Choice(["decode", "reject"]), default="decode",
+              show_default=True,
+              help="no live prefill instance, or its engine cannot be reached: run the request "
+                   "whole on a decode instance (decode), or answer 503 (reject)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
 def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
-          timeout: float, log_level: str) -> None:
+          timeout: float, no_prefill: str, log_level: str) -> None:
     """OpenAI-compatible prefill/decode proxy over the registry.
 
     Engines are found in the kvstream registry on NATS (or given with --prefill and
     --decode).
     """
-    import logging
     import signal
 
     import anyio
@@ -417,13 +435,12 @@ def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: 
 
     if no_nats and nats_url:
         raise ConfigError("--no-nats and --nats-url contradict each other")
-    # One record per line (a file or a log collector must not get records wrapped at the
-    # terminal's width), with time, level and logger as the sidecar's.
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    _log_to_stderr(log_level)  # one record per line, never wrapped at a terminal's width
     config = ProxyConfig(host=host, port=port, namespace=namespace,
                          nats_url=None if no_nats else (nats_url or DEFAULT_NATS_URL),
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
-                         prefill_timeout_s=timeout, decode_read_timeout_s=timeout)
+                         prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
+                         no_prefill=no_prefill)  # type: ignore[arg-type]
 
     async def run() -> None:
         async with Proxy(config) as server:

@@ -15,6 +15,14 @@ announce their ``endpoint``) and from static URLs; the least loaded gets each le
 decode engine could have pulled, the proxy tells the prefill instance to drop its offer
 now (``release_offer``) instead of letting the blocks wait for the lease to expire.
 
+**Decode-only** (``ProxyConfig.no_prefill="decode"``, the default): with no live prefill
+instance, or when the P leg cannot reach its engine (it died between two registry
+heartbeats), the request goes to a decode instance unchanged and without
+``kv_transfer_params``, and that engine runs it whole (prompt included). Such responses
+carry ``X-KVStream-Route: decode-only`` (P/D ones ``prefill-decode``); one WARNING marks
+each change into this mode, ``ProxyStatistics.decode_only`` counts the requests.
+``"reject"`` answers 503 instead.
+
 aiohttp is the optional extra ``kvstream[proxy]``; nothing else imports this module.
 """
 
@@ -28,7 +36,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
@@ -46,7 +54,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ConfigError("kvstream proxy needs aiohttp: pip install 'kvstream[proxy]'") from exc
 
-__all__ = ["Proxy", "ProxyConfig", "ProxyStatistics", "decode_body", "prefill_body"]
+__all__ = ["ROUTE_HEADER", "NoPrefill", "Proxy", "ProxyConfig", "ProxyStatistics", "decode_body",
+           "decode_only_body", "prefill_body"]
 
 log = logging.getLogger("kvstream.proxy")
 
@@ -59,6 +68,16 @@ PREFILL_PARAMS: Final = {
 # Dropped from the P leg: streaming options, and minimums a one-token prefill cannot meet.
 _NOT_FOR_PREFILL: Final = ("stream_options", "min_tokens", "min_completion_tokens")
 _HTTP_ERRORS: Final = (aiohttp.ClientError, asyncio.TimeoutError)
+# The engine could not be reached at all: nothing was sent, try it again later only.
+# (ConnectionTimeoutError, the sock_connect timeout, is aiohttp >= 3.10.)
+_UNREACHABLE: Final = (aiohttp.ClientConnectorError, getattr(aiohttp, "ConnectionTimeoutError",
+                                                             aiohttp.ClientConnectorError))
+# The connection broke: the engine may have died (or a kept-alive connection was stale).
+# Read and total timeouts are not among these: that engine may still be working.
+_CONNECTION_LOST: Final = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# Which response header says how a completion was served.
+ROUTE_HEADER: Final = "X-KVStream-Route"
+NoPrefill = Literal["decode", "reject"]
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,9 +97,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_read_timeout_s: float = 600.0  # longest silence of the D leg (first token included)
     abort_timeout_s: float = 2.0  # how long a release waits for the prefill side's ack
     max_body_bytes: int = 64 << 20  # client request bodies (token-id prompts can be large)
+    # No live prefill instance, or the P leg could not reach its engine: "decode" sends the
+    # request whole to a decode instance (it prefills itself), "reject" answers 503 (502).
+    no_prefill: NoPrefill = "decode"
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)
+        if self.no_prefill not in ("decode", "reject"):
+            raise ConfigError(f"no_prefill must be 'decode' or 'reject', not {self.no_prefill!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is not a TCP port")
         if self.proxy_id:
@@ -95,10 +119,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ProxyStatistics(msgspec.Struct, frozen=True, kw_only=True):
     requests: int  # completion requests received
-    prefill_errors: int  # answered 502 because the P leg failed
+    prefill_errors: int  # P legs that failed (502, or decode-only if the engine was unreachable)
     decode_errors: int  # D legs that failed (before or while streaming)
     offers_released: int  # prefill offers dropped early on a D failure (acknowledged)
     inflight: dict[str, int]  # legs in flight per engine URL
+    decode_only: int = 0  # requests sent whole to a decode instance (no usable prefill)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +143,22 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params:
         out["kv_transfer_params"] = kv_transfer_params
     return out
+
+
+def decode_only_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A decode-only request's body: the client's, minus ``kv_transfer_params`` (those are
+    the proxy's business; a client's could make the engine wait for KV nobody holds)."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+def _one_line(data: bytes, limit: int = 500) -> str:
+    """An engine's error body for a log line and an error message: no line breaks."""
+    return " ".join(data[:limit].decode(errors="replace").split())
+
+
+class _PrefillUnreachable(ProxyError):
+    """The P leg's engine could not be reached or dropped the connection: nothing holds KV
+    for this request that the proxy could name, so it may run decode-only."""
 
 
 async def _bounded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) -> None:
@@ -150,6 +191,7 @@ class Proxy:
         self._inflight: Counter[str] = Counter()
         self._turn: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
+        self._degraded = False  # serving decode-only because no prefill instance is live
 
     async def __aenter__(self) -> Proxy:
         try:
@@ -194,11 +236,25 @@ class Proxy:
 
     # -- routing ------------------------------------------------------------------------
     def _choose(self, role: LegRole) -> Instance:
-        chosen = pick(self.directory.instances(role), self._inflight, self._turn[role])
+        chosen = self._pick(role)
         if chosen is None:
             raise ProxyError(f"no {role} instance available", status=503, code=f"no_{role}")
-        self._turn[role] += 1
         return chosen
+
+    def _pick(self, role: LegRole) -> Instance | None:
+        chosen = pick(self.directory.instances(role), self._inflight, self._turn[role])
+        if chosen is not None:
+            self._turn[role] += 1
+        return chosen
+
+    def _set_degraded(self, degraded: bool, why: str) -> None:
+        """Log the changes into and out of decode-only mode, not every request in it."""
+        if degraded and not self._degraded:
+            log.warning("serving requests decode-only (the decode engine prefills them "
+                        "itself) until a prefill instance answers: %s", why)
+        elif self._degraded and not degraded:
+            log.info("serving requests prefill/decode again: %s", why)
+        self._degraded = degraded
 
     def _headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
@@ -219,16 +275,40 @@ class Proxy:
                              code="invalid_request")
         request_id = request.headers.get("X-Request-Id") or str(uuid.uuid4())
         headers = self._headers(request, request_id)
-        p = self._choose("prefill")
         if not self.directory.instances("decode"):  # refuse before a prefill nobody decodes
             raise ProxyError("no decode instance available", status=503, code="no_decode")
         started = time.monotonic()
-        params = await self._prefill(p, request.path, body, headers)
+        p = self._pick("prefill")
+        if p is None:
+            if self.config.no_prefill == "reject":
+                raise ProxyError("no prefill instance available", status=503, code="no_prefill")
+            return await self._decode_only(request, body, headers, started,
+                                           "no live prefill instance")
+        try:
+            params = await self._prefill(p, request.path, body, headers)
+        except _PrefillUnreachable as exc:
+            if self.config.no_prefill == "reject":
+                raise
+            return await self._decode_only(request, body, headers, started, str(exc))
+        self._set_degraded(False, f"prefill {p.url} answered")
         prefill_ms = (time.monotonic() - started) * 1e3
-        response, d = await self._decode(request, body, params, headers)
+        response, d = await self._decode(request, decode_body(body, params), params, headers,
+                                         "prefill-decode")
         log.info("%s %s: prefill %s (%.0f ms) -> decode %s: %d (%.0f ms in all)", request_id,
                  request.path, p.url, prefill_ms, d.url, response.status,
                  (time.monotonic() - started) * 1e3)
+        return response
+
+    async def _decode_only(self, request: web.Request, body: dict[str, Any],
+                           headers: dict[str, str], started: float,
+                           why: str) -> web.StreamResponse:
+        """The whole request on a decode instance: it prefills the prompt itself."""
+        self._set_degraded(True, why)
+        self._counts["decode_only"] += 1
+        response, d = await self._decode(request, decode_only_body(body), None, headers,
+                                         "decode-only")
+        log.info("%s %s: decode-only (%s) -> decode %s: %d (%.0f ms)", headers["X-Request-Id"],
+                 request.path, why, d.url, response.status, (time.monotonic() - started) * 1e3)
         return response
 
     async def _prefill(self, p: Instance, path: str, body: dict[str, Any],
@@ -244,14 +324,17 @@ class Proxy:
                 status, data = resp.status, await resp.read()
         except _HTTP_ERRORS as exc:
             self._counts["prefill_errors"] += 1
-            raise ProxyError(f"prefill {p.url} failed: {str(exc) or type(exc).__name__}",
-                             status=502, code="prefill_failed") from exc
+            why = f"prefill {p.url} failed: {str(exc) or type(exc).__name__}"
+            if isinstance(exc, _UNREACHABLE):
+                self.directory.mark_unreachable(p.url)  # until its next chance
+            if isinstance(exc, (*_UNREACHABLE, *_CONNECTION_LOST)):
+                raise _PrefillUnreachable(why, status=502, code="prefill_failed") from exc
+            raise ProxyError(why, status=502, code="prefill_failed") from exc
         finally:
             self._inflight[p.url] -= 1
         if not 200 <= status < 300:
             self._counts["prefill_errors"] += 1
-            raise ProxyError(f"prefill {p.url} answered {status}: "
-                             f"{data[:500].decode(errors='replace')}", status=502,
+            raise ProxyError(f"prefill {p.url} answered {status}: {_one_line(data)}", status=502,
                              code="prefill_failed")
         try:
             reply = json.loads(data)
@@ -262,9 +345,10 @@ class Proxy:
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         return params if isinstance(params, dict) else None
 
-    async def _decode(self, request: web.Request, body: dict[str, Any],
-                      params: dict[str, Any] | None,
-                      headers: dict[str, str]) -> tuple[web.StreamResponse, Instance]:
+    async def _decode(self, request: web.Request, d_body: dict[str, Any],
+                      params: dict[str, Any] | None, headers: dict[str, str],
+                      route: str) -> tuple[web.StreamResponse, Instance]:
+        """The D leg with ``d_body``; ``params``: the P leg's offer, released if D fails."""
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                         sock_read=cfg.decode_read_timeout_s)
@@ -277,7 +361,7 @@ class Proxy:
         self._inflight[d.url] += 1
         try:
             try:
-                resp = await self._session.post(d.url + request.path, json=decode_body(body, params),
+                resp = await self._session.post(d.url + request.path, json=d_body,
                                                 headers=headers, timeout=timeout)
             except _HTTP_ERRORS as exc:
                 self._counts["decode_errors"] += 1
@@ -295,19 +379,22 @@ class Proxy:
                         data = await resp.read()
                     await self._release(params, f"decode {d.url} answered {resp.status}")
                     return web.Response(status=resp.status, body=data,
-                                        content_type=resp.content_type), d
-                return await self._relay(request, resp, d, headers["X-Request-Id"]), d
+                                        content_type=resp.content_type,
+                                        headers={"X-Request-Id": headers["X-Request-Id"],
+                                                 ROUTE_HEADER: route}), d
+                return await self._relay(request, resp, d, headers["X-Request-Id"], route), d
         finally:
             self._inflight[d.url] -= 1
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Instance,
-                     request_id: str) -> web.StreamResponse:
+                     request_id: str, route: str) -> web.StreamResponse:
         """Pass the D leg's body through chunk by chunk (SSE events as they come)."""
         out = web.StreamResponse(status=resp.status)
         out.content_type = resp.content_type
         if resp.charset:
             out.charset = resp.charset
         out.headers["X-Request-Id"] = request_id
+        out.headers[ROUTE_HEADER] = route
         if resp.content_length is not None:
             out.content_length = resp.content_length
         await out.prepare(request)
@@ -374,16 +461,21 @@ class Proxy:
                      "inflight": self._inflight[i.url]} for i in self.directory.instances(role)]
 
         prefill, decode = describe("prefill"), describe("decode")
+        decode_only = bool(decode) and not prefill and self.config.no_prefill == "decode"
+        stats = msgspec.structs.asdict(self.statistics())
+        del stats["inflight"]  # per instance above
         return web.json_response({"status": "ok", "proxy_id": self.proxy_id,
-                                  "ready": bool(prefill and decode), "nats": self._bus is not None,
-                                  "prefill": prefill, "decode": decode})
+                                  "ready": bool(prefill and decode) or decode_only,
+                                  "decode_only": decode_only, "nats": self._bus is not None,
+                                  "prefill": prefill, "decode": decode, "counts": stats})
 
     def statistics(self) -> ProxyStatistics:
         c = self._counts
         return ProxyStatistics(requests=c["requests"], prefill_errors=c["prefill_errors"],
                                decode_errors=c["decode_errors"],
                                offers_released=c["offers_released"],
-                               inflight={u: n for u, n in self._inflight.items() if n})
+                               inflight={u: n for u, n in self._inflight.items() if n},
+                               decode_only=c["decode_only"])
 
 
 @web.middleware

@@ -54,11 +54,15 @@ def pick(instances: Sequence[Instance], inflight: Mapping[str, int], turn: int) 
 
 class Directory:
     """Where requests can go: the static URLs, and every instance whose announcement has
-    an endpoint and whose heartbeat is fresh (``peer_timeout_s``)."""
+    an endpoint and whose heartbeat is fresh (``peer_timeout_s``), minus URLs the proxy
+    could not connect to in the last ``peer_timeout_s`` (``mark_unreachable``)."""
 
     def __init__(self, *, prefill: Iterable[str] = (), decode: Iterable[str] = (),
                  peer_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = Registry(peer_timeout_s=peer_timeout_s, clock=clock)
+        self._clock = clock
+        self._peer_timeout_s = peer_timeout_s
+        self._unreachable: dict[str, float] = {}  # URL -> until when it is not routed to
         self._static: dict[LegRole, list[str]] = {
             "prefill": list(dict.fromkeys(check_endpoint(u.rstrip("/")) for u in prefill)),
             "decode": list(dict.fromkeys(check_endpoint(u.rstrip("/")) for u in decode)),
@@ -72,8 +76,19 @@ class Directory:
             case m.Leave():
                 self.registry.leave(msg.instance_id)
 
+    def mark_unreachable(self, url: str) -> None:
+        """Route nothing to ``url`` for ``peer_timeout_s``: a connection to it just failed.
+
+        The registry would drop a dead engine within ``peer_timeout_s`` anyway; a static URL
+        it never drops, and until then every request would try it first. After the pause
+        the URL is tried again (an engine that came back is used again)."""
+        self._unreachable[url.rstrip("/")] = self._clock() + self._peer_timeout_s
+
     def instances(self, role: LegRole) -> list[Instance]:
         """Routable instances for one leg ("both" instances serve either)."""
+        now = self._clock()
+        for url in [u for u, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[url]
         found: dict[str, Instance] = {url: Instance(url=url) for url in self._static[role]}
         announced: dict[str, list[m.Announce]] = {}
         for a in self.registry.instances(role):
@@ -82,7 +97,7 @@ class Directory:
         for url, group in announced.items():
             found[url] = Instance(url=url, instance_ids=tuple(sorted(a.instance_id for a in group)),
                                   load=max(a.load for a in group))
-        return list(found.values())
+        return [i for url, i in found.items() if url not in self._unreachable]
 
     def engine_instances(self, engine_id: str) -> list[str]:
         """The kvstream instances behind one engine id: itself, or its TP ranks

@@ -4,6 +4,7 @@ nats-server and real agents announcing the engines' endpoints."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from aiohttp import web
 from kvstream import Agent, TransferAbortedError
 from kvstream.control import ControlBus, release_offer
 from kvstream.control.nats_server import free_port
-from kvstream.proxy import Proxy, ProxyConfig
+from kvstream.proxy import ROUTE_HEADER, Proxy, ProxyConfig
 from tests.fakes import cache, small_layout
 from tests.integration.agents import agent_pair, assert_at_rest, cfg
 
@@ -338,3 +339,103 @@ async def test_prefill_failure_bad_input_models_and_health():
         assert [i["url"] for i in health["prefill"]] == [p_bad.url]
         assert [i["url"] for i in health["decode"]] == [d_eng.url]
         assert proxy.statistics().prefill_errors == 1
+
+
+def _proxy_records(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvstream.proxy"
+            and r.levelno == level and text in r.getMessage()]
+
+
+async def test_no_live_prefill_serves_decode_only_until_one_is_back(nats_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvstream.proxy")
+    p_eng, d_eng = FakeEngine("p"), FakeEngine("d")
+    ns = "px-donly"
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace=ns) as (proxy, client), \
+            Agent(cfg("px-donly-d", nats_server, namespace=ns, role="decode",
+                      endpoint=d_eng.url)):
+        await until_routable(proxy, 0, 1)
+        async with client.get(proxy.url + "/health") as resp:
+            health = await resp.json()
+        assert health["ready"] is True and health["decode_only"] is True
+        # The client's own kv_transfer_params must not reach the engine: it would wait for KV.
+        body = {"model": "m", "prompt": "hello", "max_tokens": 5,
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"}}
+        whole = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers[ROUTE_HEADER] == "decode-only"
+            assert await resp.json() == {"choices": [{"text": "decoded by d"}]}
+        async with client.post(proxy.url + "/v1/completions",
+                               json={**body, "stream": True}) as resp:
+            assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "decode-only"
+            assert await resp.read() == b"".join(SSE)
+        assert d_eng.bodies() == [whole, {**whole, "stream": True}]
+        assert p_eng.received == []
+        assert proxy.statistics().decode_only == 2 and proxy.statistics().requests == 2
+        # One WARNING for the change into decode-only, not one per request.
+        assert len(_proxy_records(caplog, logging.WARNING, "decode-only")) == 1
+        async with Agent(cfg("px-donly-p", nats_server, namespace=ns, role="prefill",
+                             endpoint=p_eng.url)):
+            await until_routable(proxy, 1, 1)
+            async with client.post(proxy.url + "/v1/completions", json=whole) as resp:
+                assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode"
+            assert len(p_eng.received) == 1
+            assert d_eng.bodies()[-1]["kv_transfer_params"]["remote_engine_id"] == "p0"
+        assert _proxy_records(caplog, logging.INFO, "prefill/decode again") == [
+            f"serving requests prefill/decode again: prefill {p_eng.url} answered"]
+        assert proxy.statistics().decode_only == 2
+
+
+async def test_no_live_prefill_rejected_when_configured(nats_server):
+    d_eng = FakeEngine("d")
+    ns = "px-reject"
+    async with serving(d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace=ns, no_prefill="reject") \
+            as (proxy, client), \
+            Agent(cfg("px-reject-d", nats_server, namespace=ns, role="decode",
+                      endpoint=d_eng.url)):
+        await until_routable(proxy, 0, 1)
+        async with client.post(proxy.url + "/v1/completions",
+                               json={"model": "m", "prompt": "x"}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["type"] == "no_prefill"
+        async with client.get(proxy.url + "/health") as resp:
+            health = await resp.json()
+        assert health["ready"] is False and health["decode_only"] is False
+        assert d_eng.received == [] and proxy.statistics().decode_only == 0
+
+
+@pytest.mark.parametrize("no_prefill", ["decode", "reject"])
+async def test_unreachable_prefill_engine(no_prefill, caplog):
+    """The prefill engine died (nothing listens at its URL): that request runs decode-only
+    (or gets the 502 as before), and the URL is not tried again for peer_timeout_s."""
+    caplog.set_level(logging.INFO, logger="kvstream.proxy")
+    d_eng = FakeEngine("d")
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with serving(d_eng), \
+            proxy_and_client(nats_url=None, prefill=(dead,), decode=(d_eng.url,),
+                             no_prefill=no_prefill) as (proxy, client):
+        async with client.post(proxy.url + "/v1/completions",
+                               json={"model": "m", "prompt": "x"}) as resp:
+            if no_prefill == "decode":
+                assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "decode-only"
+                assert d_eng.bodies() == [{"model": "m", "prompt": "x"}]
+                warned, = _proxy_records(caplog, logging.WARNING, "decode-only")
+                assert f"prefill {dead} failed: Cannot connect" in warned
+            else:
+                assert resp.status == 502
+                assert (await resp.json())["error"]["type"] == "prefill_failed"
+                assert d_eng.received == []
+        stats = proxy.statistics()
+        assert stats.prefill_errors == 1 and stats.decode_only == (no_prefill == "decode")
+        assert proxy.directory.instances("prefill") == []  # marked unreachable for 1 s
+        if no_prefill == "decode":  # still decode-only, without trying it, and no new WARNING
+            async with client.post(proxy.url + "/v1/completions",
+                                   json={"model": "m", "prompt": "y"}) as resp:
+                assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "decode-only"
+            assert proxy.statistics().prefill_errors == 1
+            assert len(_proxy_records(caplog, logging.WARNING, "decode-only")) == 1
+        with anyio.fail_after(3):
+            while not proxy.directory.instances("prefill"):
+                await anyio.sleep(0.05)

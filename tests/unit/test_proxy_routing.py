@@ -63,9 +63,23 @@ def test_tp_ranks_collapse_into_one_instance_and_all_get_the_release():
     assert d.engine_instances("never-seen") == ["never-seen"]
 
 
+def test_an_unreachable_url_is_not_routed_to_for_peer_timeout():
+    clock = FakeClock()
+    d = Directory(prefill=["http://p-static:1"], peer_timeout_s=2.0, clock=clock)
+    d.observe(announce("p0", "prefill", "http://p0:8100/"))
+    d.mark_unreachable("http://p-static:1/")
+    d.mark_unreachable("http://p0:8100")
+    assert d.instances("prefill") == []
+    clock.advance(1.0)
+    d.observe(announce("p0", "prefill", "http://p0:8100/"))  # a heartbeat does not undo it
+    assert d.instances("prefill") == []
+    clock.advance(1.0)
+    assert {i.url for i in d.instances("prefill")} == {"http://p-static:1", "http://p0:8100"}
+
+
 def test_leg_bodies_follow_the_toy_proxy():
     pytest.importorskip("aiohttp")
-    from kvstream.proxy import decode_body, prefill_body
+    from kvstream.proxy import decode_body, decode_only_body, prefill_body
 
     body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 3, "top_p": 0.5,
@@ -80,7 +94,18 @@ def test_leg_bodies_follow_the_toy_proxy():
     params = {"do_remote_prefill": True, "remote_request_id": "r"}
     assert decode_body(body, params) == {**body, "kv_transfer_params": params}
     assert decode_body({"prompt": "x"}, None) == {"prompt": "x"}
+    assert decode_only_body(body) == {k: v for k, v in body.items() if k != "kv_transfer_params"}
     assert body["stream"] is True and body["max_tokens"] == 50  # the client's body is untouched
+
+
+def test_proxy_no_prefill_setting_is_checked():
+    pytest.importorskip("aiohttp")
+    from kvstream.proxy import ProxyConfig
+
+    assert ProxyConfig().no_prefill == "decode"
+    assert ProxyConfig(no_prefill="reject").no_prefill == "reject"
+    with pytest.raises(ConfigError, match="no_prefill"):
+        ProxyConfig(no_prefill="recompute")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8100", "ftp://h:1", "http://h:1/", "http:///v1",

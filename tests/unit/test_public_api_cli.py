@@ -73,3 +73,34 @@ def test_help_reads_whole():
     for name in app.commands:
         sub = CliRunner().invoke(app, [name, "--help"], terminal_width=80)
         assert sub.exit_code == 0 and "``" not in sub.output, name
+
+
+def test_log_records_are_one_line_each():
+    import io
+    import logging
+
+    from kvstream.cli import LOG_FORMAT, OneLineFormatter
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(OneLineFormatter(LOG_FORMAT))
+    log = logging.getLogger("kvstream.test.oneline")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        raise ValueError("engine said:\n<html>\nbad</html>")
+    except ValueError:
+        log.exception("prefill leg failed for %s", "x" * 120)
+    log.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "ERROR kvstream.test.oneline: prefill leg failed" in lines[0]
+    assert "Traceback" in lines[0] and "ValueError: engine said:\\n<html>" in lines[0]
+
+
+def test_vllm_skips_name_the_command_that_enables_them():
+    from pathlib import Path
+
+    for path in (Path(__file__).parents[1] / "with_vllm").glob("test_*.py"):
+        text = path.read_text()
+        if "importorskip(\"vllm" in text:
+            assert "README command 3" in text, path.name

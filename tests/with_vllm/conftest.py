@@ -1,5 +1,5 @@
-"""Shared by the vLLM tests: the trained tiny model (kvstream.bench.tiny_llama), trained
-once per machine and environment (~20-35 s), then cached."""
+"""Shared by the vLLM tests: the trained tiny model (kvstream.bench.tiny_llama's committed
+weights), saved as a model directory once per environment, then cached."""
 
 from __future__ import annotations
 

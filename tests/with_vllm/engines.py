@@ -12,6 +12,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -28,9 +29,15 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]  # no bos/eos inside
 
 
-def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[str, str]) -> None:
+def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[str, str],
+           log: str | None = None) -> None:
     os.setsid()  # the test kills the whole group (engine core included)
     os.environ.update(env)
+    if log:  # this process's and its children's (engine core, workers) stdout and stderr
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -86,13 +93,18 @@ def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[st
 
 
 class Engine:
-    """A vLLM engine process; ``generate([{prompt, max_tokens, params}])`` -> outputs."""
+    """A vLLM engine process; ``generate([{prompt, max_tokens, params}])`` -> outputs.
+
+    ``log``: a file for the output of the engine's processes (vLLM's log lines and ours).
+    """
 
     def __init__(self, model: Path, kv_config: dict[str, Any] | None, *, env: dict[str, str],
-                 start_timeout: float = 240.0) -> None:
+                 start_timeout: float = 240.0, log: Path | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, str(model), kv_config, env),
+        self.log = log
+        self.proc = ctx.Process(target=_serve, args=(child, str(model), kv_config, env,
+                                                     str(log) if log else None),
                                 daemon=False)
         self.proc.start()
         self._start_timeout = start_timeout
@@ -162,6 +174,25 @@ def engine_env(events: Path) -> dict[str, str]:
             # engine stepping while it holds offered blocks starves the other.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
             "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# A line of vLLM 0.32's text log format (vllm/logger.py, _FORMAT, no color, no prefix):
+# "(<process name> pid=<pid>) <LEVEL> <mm-dd HH:MM:SS> [<file>:<line>] <message>".
+VLLM_LOG_LINE = re.compile(r"^\((?P<process>[^()]+) pid=(?P<pid>\d+)\) (?P<level>[A-Z]+) "
+                           r"\d\d-\d\d \d\d:\d\d:\d\d \[(?P<file>[\w.]+):\d+\] (?P<message>.*)$")
+
+
+def log_lines(path: Path, level: str, pattern: str) -> list[re.Match[str]]:
+    """The lines of a log file in vLLM's format, at ``level``, whose message matches
+    ``pattern`` (from its start); the matches of ``pattern``."""
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = VLLM_LOG_LINE.match(line)
+        if m and m["level"] == level and (hit := re.match(pattern, m["message"])):
+            found.append(hit)
+    return found
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -70,7 +70,9 @@ from __future__ import annotations
 import pytest
 
 # A real vLLM, not a namespace package made of some "vllm" directory (examples/vllm).
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="needs a real vLLM: bash .ci/vllm-env && .venv-vllm/bin/python -m "
+                           "pytest tests/with_vllm (README command 3)")
 
 try:  # tests/with_vllm as a package, or as a plain directory on sys.path
     from . import upstream

@@ -15,6 +15,7 @@ Skipped where vLLM is not installed (CI builds a vLLM environment for these).
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from typing import Any
 import pytest
 
 # A real vLLM, not a namespace package made of some "vllm" directory (examples/vllm).
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="needs a real vLLM: bash .ci/vllm-env && .venv-vllm/bin/python -m "
+                           "pytest tests/with_vllm (README command 3)")
 
 from kvstream import EmbeddedNats
 
@@ -51,7 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
                            env=env)
         decode = E.Engine(model, E.kv_config("kv_consumer", nats.url, instance_id="decode-0",
                                              trace_file=str(root / "decode-spans.jsonl")),
-                          env=env)
+                          env=env, log=root / "decode.log")
         try:
             assert prefill.pid and decode.pid
             yield {"nats": nats, "model": model, "events": events, "env": env, "root": root,
@@ -225,16 +228,21 @@ def test_decode_aborted_before_loading_frees_the_prefill_blocks(cluster):
 
 def test_prefill_lease_expires_then_prefill_killed_decode_recomputes(cluster):
     """A short-lease prefill engine: an offer nobody pulls expires (blocks back to vLLM);
-    then the engine is SIGKILLed and the decode side reports a load error and recomputes."""
+    then the engine is SIGKILLed and the decode side reports a load error and recomputes.
+    Both sides say so in their logs, as WARNING lines in vLLM's format."""
     nats = cluster["nats"]
+    p2_log = cluster["root"] / "prefill-1.log"
     p2 = E.Engine(cluster["model"], E.kv_config("kv_producer", nats.url, instance_id="prefill-1",
-                                                lease_s=2.0), env=cluster["env"])
+                                                lease_s=2.0), env=cluster["env"], log=p2_log)
     try:
         lonely, doomed = E.prompt(80, 51), E.prompt(80, 52)
         kv_lonely = prefill(p2, [lonely])[0]
         ended = _wait_events(cluster, "offer_ended", timeout=20,
                              request_id=kv_lonely["remote_request_id"])
         assert [e["status"] for e in ended] == ["expired"]
+        rid = re.escape(kv_lonely["remote_request_id"])
+        assert E.log_lines(p2_log, "WARNING", rf"kvstream offer {rid} expired"), \
+            p2_log.read_text()[-3000:]
         want = p2.generate([{"prompt": doomed, "max_tokens": NEW}])[0]["tokens"]
         kv = prefill(p2, [doomed])[0]
     finally:
@@ -244,6 +252,11 @@ def test_prefill_lease_expires_then_prefill_killed_decode_recomputes(cluster):
     assert pulled and not pulled[0]["ok"]
     assert got["tokens"] == want, "a failed load must be recomputed, not decoded from garbage"
     assert got["num_cached_tokens"] < len(doomed)
+    d_log = cluster["decode"].log
+    rid, rrid = re.escape(pulled[0]["request_id"]), re.escape(kv["remote_request_id"])
+    failed = E.log_lines(d_log, "WARNING", rf"kvstream load {rid} from prefill-1 \(request "
+                         rf"{rrid}\) failed: .+; blocks=3; vLLM recomputes the prompt$")
+    assert len(failed) == 1, d_log.read_text()[-3000:]
 
 
 def test_every_transfer_ended_exactly_once(cluster):

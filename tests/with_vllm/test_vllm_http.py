@@ -3,13 +3,16 @@ unmodified toy proxy (from the sdist, fetched at test time): the OpenAI answers 
 colocated run's, and every disaggregated request's prompt KV was pulled over kvstream.
 
 The prefill engine announces its HTTP endpoint through the connector's extra config, so
-``kvstream proxy`` finds both engines in the registry with no URLs given.
+``kvstream proxy`` finds both engines in the registry with no URLs given. The decode
+server logs at INFO: the connector's one line per load appears in vLLM's log format, and
+its ``/metrics`` count the prompt tokens that came over kvstream.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +26,9 @@ from typing import Any
 import pytest
 
 # A real vLLM, not a namespace package made of some "vllm" directory (examples/vllm).
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="needs a real vLLM: bash .ci/vllm-env && .venv-vllm/bin/python -m "
+                           "pytest tests/with_vllm (README command 3)")
 
 import contextlib
 
@@ -108,12 +113,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
             for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
                 url = f"http://127.0.0.1:{ports[role]}"
                 cfg = E.kv_config(kv_role, nats.url, instance_id=f"http-{role}", endpoint=url)
+                env = E.engine_env(events)
+                if role == "decode":  # its per-load INFO lines are checked
+                    env["VLLM_LOGGING_LEVEL"] = "INFO"
                 procs.append(_spawn(
                     [*serve, str(model), "--host", "127.0.0.1", "--port", str(ports[role]),
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(E.BLOCK),
                      "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
                      "--kv-transfer-config", json.dumps(cfg)],
-                    E.engine_env(events), root / f"{role}.log"))
+                    env, root / f"{role}.log"))
             for role, proc in zip(ports, procs, strict=True):
                 _wait_http(f"http://127.0.0.1:{ports[role]}/health", proc, root / f"{role}.log")
             yield {"nats": nats, "root": root, "model": str(model), "events": events,
@@ -133,6 +141,22 @@ def _pulls(events: Path) -> list[dict[str, Any]]:
     return [e for e in E.read_events(events) if e["event"] == "pull_ended"]
 
 
+# The connector's line per completed load (kvstream/adapters/vllm/worker.py).
+LOAD_LINE = (r"kvstream load (?P<rid>\S+) from http-prefill \(request (?P<rrid>\S+)\): "
+             r"blocks=(?P<blocks>\d+) cached_blocks=(?P<local>\d+) bytes=(?P<bytes>\d+) "
+             r"ms=[\d.]+ codec=none$")
+
+
+def _transferred_tokens(decode: str) -> float:
+    """``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``: prompt tokens the
+    decode engine got over a KV connector (a counter: ``_total`` in the exposition)."""
+    with urllib.request.urlopen(f"{decode}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    series = re.findall(r'^vllm:prompt_tokens_by_source_total\{([^}]*)\} (\S+)$', text, re.M)
+    assert series, "no vllm:prompt_tokens_by_source_total in /metrics"
+    return sum(float(v) for labels, v in series if 'source="external_kv_transfer"' in labels)
+
+
 def test_kvstream_proxy_finds_engines_in_the_registry(served):
     port = _port()
     log = served["root"] / "proxy.log"
@@ -141,19 +165,22 @@ def test_kvstream_proxy_finds_engines_in_the_registry(served):
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proxy, log, timeout=30)
         before = len(_pulls(served["events"]))
+        d_log = served["root"] / "decode.log"
+        lines_before = len(E.log_lines(d_log, "INFO", LOAD_LINE))
+        tokens_before = _transferred_tokens(served["decode"])
         prompts = [E.prompt(90, 61), E.prompt(40, 62)]
-        end = time.monotonic() + 20  # until both engines' announcements reached the proxy
-        while True:
-            try:
-                got = [_post(f"http://127.0.0.1:{port}/v1/completions",
-                             _body(served["model"], prompts[0]))]
+        # Until both engines' announcements reached the proxy (with only the decode engine's,
+        # it would serve decode-only, without a transfer).
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                health = json.loads(r.read())
+            if health["prefill"] and health["decode"]:
                 break
-            except urllib.error.HTTPError as exc:
-                if exc.code != 503 or time.monotonic() > end:
-                    raise
-                time.sleep(0.5)
-        got.append(_post(f"http://127.0.0.1:{port}/v1/completions",
-                         _body(served["model"], prompts[1])))
+            time.sleep(0.5)
+        assert health["prefill"] and health["decode"], health
+        got = [_post(f"http://127.0.0.1:{port}/v1/completions", _body(served["model"], p))
+               for p in prompts]
         streamed = _stream(f"http://127.0.0.1:{port}/v1/completions",
                            _body(served["model"], prompts[1]))
         want = [_post(f"{served['prefill']}/v1/completions", _body(served["model"], p))
@@ -162,6 +189,21 @@ def test_kvstream_proxy_finds_engines_in_the_registry(served):
         assert streamed == want[1]["choices"][0]["text"]
         pulls = _pulls(served["events"])[before:]
         assert len(pulls) == 3 and all(p["ok"] for p in pulls), pulls
+        # One INFO line per load in vLLM's format, saying what the event log says.
+        end = time.monotonic() + 10
+        while len(lines := E.log_lines(d_log, "INFO", LOAD_LINE)[lines_before:]) < 3 \
+                and time.monotonic() < end:
+            time.sleep(0.2)
+        assert [(m["rid"], m["rrid"], int(m["bytes"]), int(m["blocks"]) + int(m["local"]))
+                for m in lines] == [(p["request_id"], p["remote_request_id"], p["bytes"],
+                                     p["blocks"]) for p in pulls], d_log.read_text()[-3000:]
+        # cached_tokens in the responses' usage stays 0 (vLLM reports the prefill's own cache
+        # hits there): the decode engine's /metrics are where transferred KV shows.
+        end = time.monotonic() + 10
+        while (moved := _transferred_tokens(served["decode"]) - tokens_before) < len(prompts[0]) \
+                and time.monotonic() < end:
+            time.sleep(0.2)
+        assert moved >= len(prompts[0]) + len(prompts[1]), moved
     finally:
         _stop(proxy)
 

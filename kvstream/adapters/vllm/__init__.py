@@ -30,6 +30,11 @@ none), ``namespace``, ``instance_id`` (default ``vllm-<engine_id>``), ``codec`` 
 ``transfer_timeout_s``, ``endpoint`` (the engine's HTTP URL, announced for ``kvstream
 proxy``), ``arrangement`` (override the KV layout detection), ``mode`` ("pull"; push to
 staging is not offered for vLLM yet).
+
+Logging: kvstream's loggers come out through vLLM's handler, in its format
+(``use_vllm_logging``). The decode side logs one INFO line per completed load and one
+WARNING per failed one; the prefill side one WARNING per offer nobody pulled (expired,
+failed), DEBUG for the others.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise AdapterError("kvstream.adapters.vllm needs vLLM >= 0.32 (KVConnectorBase_V1 with "
                        f"the three-argument constructor): {exc}") from exc
 
-from kvstream.adapters.vllm.common import EVENTS_ENV, KVStreamMetadata
+from kvstream.adapters.vllm.common import EVENTS_ENV, KVStreamMetadata, use_vllm_logging
 from kvstream.adapters.vllm.scheduler import SchedulerSide
 from kvstream.adapters.vllm.worker import WorkerSide, layout_of_vllm_caches
 
@@ -69,6 +74,7 @@ class KVStreamConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        use_vllm_logging()  # vLLM has configured this process's logging by now
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["EVENTS_ENV", "KVStreamMetadata", "Side", "flat"]
+__all__ = ["EVENTS_ENV", "KVStreamMetadata", "Side", "flat", "use_vllm_logging"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
@@ -51,6 +51,44 @@ class KVStreamMetadata(KVConnectorMetadata):
     abort_pull: list[str] = field(default_factory=list)
     # decode: (source, its request id) holds to drop without pulling
     release: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands each record to vLLM's ``vllm`` logger, which passes it to the handlers vLLM
+    configured there *at that moment* (vLLM reconfigures logging per process, and a
+    ``VLLM_LOGGING_CONFIG_PATH`` file or ``--logging-config.formatter json`` may replace
+    its handler): the record comes out in vLLM's format, stream and handler level."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.handle(record)
+
+
+def use_vllm_logging() -> None:
+    """Make the ``kvstream`` loggers of this process log the way vLLM's do.
+
+    vLLM (0.32, ``vllm/logger.py``) configures only its own ``vllm`` logger (a
+    ``StreamHandler`` named "vllm", ``NewLineFormatter`` with process name, pid, level,
+    time and file:line; ``propagate=False``), in each process before it builds the
+    connector; ``init_logger`` configures nothing. Records of ``kvstream.*`` would reach
+    only the root logger, which has no handler there: bare lines from ``lastResort``,
+    warnings and errors only. So, unless vLLM configured no handler
+    (``VLLM_CONFIGURE_LOGGING=0``: then whoever configured logging owns ours too) or
+    someone gave ``kvstream`` handlers of its own, ``kvstream`` forwards to ``vllm``, does
+    not propagate (no line twice if the root has a handler too), and takes vLLM's level
+    unless its own is set. Idempotent (both roles may share a process).
+    """
+    theirs = logging.getLogger("vllm")
+    ours = logging.getLogger("kvstream")
+    if not theirs.handlers or ours.handlers:
+        return
+    ours.addHandler(_ToVllmLogger(theirs))
+    ours.propagate = False
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
 
 
 def sanitize(text: str) -> str:

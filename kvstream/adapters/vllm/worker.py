@@ -5,6 +5,7 @@ back to vLLM through ``get_transfer_results`` exactly once per request."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 from collections.abc import Callable, Iterable
@@ -141,6 +142,8 @@ class WorkerSide(Side):
         rt = self._runtime
         if rt is None:
             for rid, job in meta.pull.items():
+                log.warning("kvstream load %s failed: no KV caches registered with the "
+                            "connector; vLLM %s", rid, self._on_load_failure())
                 self._results.put(("recv", rid, False, job[2][job[4]:]))
             return
         for src, rrid in meta.keep.values():
@@ -189,6 +192,12 @@ class WorkerSide(Side):
 
     async def _watch_offer(self, rid: str, handle: SendHandle) -> None:
         res = await handle.result()
+        # Served or deliberately dropped: routine (the decode side logs each load). Expired
+        # or failed: a decode engine never took the KV, and the blocks sat held until now.
+        level = logging.DEBUG if res.ok or res.status == "aborted" else logging.WARNING
+        log.log(level, "kvstream offer %s %s%s: to=%s bytes=%d ms=%.1f codec=%s", rid, res.status,
+                f" ({res.reason})" if res.reason else "", res.peer or "-", res.bytes,
+                res.seconds * 1e3, res.codec)
         self._events("offer_ended", request_id=rid, status=res.status, reason=res.reason,
                      bytes=res.bytes, skipped=res.bytes_skipped, codec=res.codec)
         self._results.put(("send", rid, res.ok, []))
@@ -234,14 +243,27 @@ class WorkerSide(Side):
             self._cancelled.discard(rid)
         ok = res is not None and res.ok
         if cancelled:
-            log.info("pull of %s from %s aborted: the decode request ended", rrid, src)
+            log.info("kvstream load %s aborted: the decode request ended (from %s, request %s)",
+                     rid, src, rrid)
         elif not ok:
-            log.warning("pull of %s from %s failed (%s): vLLM recomputes it", rrid, src, why)
+            log.warning("kvstream load %s from %s (request %s) failed: %s; blocks=%d; vLLM %s",
+                        rid, src, rrid, why or "no reason given", len(blocks) - local,
+                        self._on_load_failure())
+        elif res is not None:
+            # One line per load, never per layer: what moved, how fast, from where.
+            log.info("kvstream load %s from %s (request %s): blocks=%d cached_blocks=%d bytes=%d "
+                     "ms=%.1f codec=%s", rid, src, rrid, len(blocks) - local, local, res.bytes,
+                     res.seconds * 1e3, res.codec)
         self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok,
                      reason=why, bytes=res.bytes if res else 0,
                      skipped=res.bytes_skipped if res else 0, codec=res.codec if res else "",
                      seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local)
         self._results.put(("recv", rid, ok, blocks[local:]))
+
+    def _on_load_failure(self) -> str:
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute":
+            return "recomputes the prompt"
+        return "fails the request (kv_load_failure_policy 'fail')"
 
     async def _abort_pull(self, rid: str) -> None:
         if rid not in self._pulls:
