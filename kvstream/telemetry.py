@@ -21,7 +21,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.context import Context
@@ -30,7 +30,69 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from kvstream.transfer import Transfer
+
+class _Outcome(Protocol):
+    """What telemetry reads of a transfer's result (``transfer.TransferResult``)."""
+
+    @property
+    def transfer_id(self) -> str: ...
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def side(self) -> str: ...
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def bytes_skipped(self) -> int: ...
+
+    @property
+    def codec(self) -> str: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+
+class _Side(Protocol):
+    @property
+    def value(self) -> str: ...
+
+
+class Transfer(Protocol):
+    """What telemetry reads of a transfer (``transfer.Transfer``): the tracing API knows
+    the transfer only through this, so it imports nothing of the engine."""
+
+    transfer_id: str
+    num_layers: int
+    codec: str
+    span: Span | None
+    streamed: bool
+
+    @property
+    def side(self) -> _Side: ...
+
+    @property
+    def terminal(self) -> bool: ...
+
+    def result(self) -> _Outcome: ...
 
 __all__ = [
     "all_layers_ready",

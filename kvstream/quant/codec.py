@@ -21,9 +21,9 @@ from kvstream._exceptions import ConfigError, KVStreamError, QuantizationError
 from kvstream.quant import reference
 from kvstream.quant.scheme import (
     CODEC_DTYPES,
+    Geometry,
     check_codec,
     groups_per_chunk,
-    scale_groups,
     scales_bytes,
     wire_layer_bytes,
 )
@@ -47,22 +47,12 @@ class _Backend(Protocol):
                blocks: BlockMap) -> None: ...
 
 
-class _Geometry:
-    def __init__(self, mem: RegisteredKV) -> None:
-        lay = mem.layout
-        self.groups = scale_groups(lay)
-        self.planes = lay.chunks_per_block
-        self.num_blocks = mem.num_blocks
-        self.chunk = lay.chunk_bytes // lay.dtype_bytes
-        self.dtype = lay.dtype
-
-
 class _TorchBackend:
     """The reference on gathered chunks; works on any device torch does."""
 
     name = "torch"
 
-    def __init__(self, geo: _Geometry, codec: str) -> None:
+    def __init__(self, geo: Geometry, codec: str) -> None:
         self.geo = geo
         self.codec = codec
 
@@ -93,7 +83,7 @@ class _TorchBackend:
 class _CpuBackend:
     name = "cpu"
 
-    def __init__(self, geo: _Geometry, kernel: CpuKernel, codec: str) -> None:
+    def __init__(self, geo: Geometry, kernel: CpuKernel, codec: str) -> None:
         from kvstream.quant.cpu import DTYPE_CODES
 
         self.geo = geo
@@ -122,7 +112,7 @@ class _CpuBackend:
                                     "and positive")
 
 
-def _backend(geo: _Geometry, mem: RegisteredKV, codec: str, prefer: str | None) -> _Backend:
+def _backend(geo: Geometry, mem: RegisteredKV, codec: str, prefer: str | None) -> _Backend:
     if prefer == "torch":
         return _TorchBackend(geo, codec)
     if mem.device.type == "cuda" and prefer in (None, "cuda"):
@@ -152,7 +142,7 @@ class LayerCodec:
             raise ConfigError(f"codec {codec} cannot encode a {mem.layout.dtype} cache")
         self.name = codec
         self.mem = mem
-        self.geo = _Geometry(mem)
+        self.geo = Geometry(mem.layout, mem.num_blocks)
         self._prefer = backend
         self._backend: _Backend | None = None
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstream.dataplane.memory import BlockMap
-    from kvstream.quant.codec import _Geometry
+    from kvstream.quant.scheme import Geometry
 
 __all__ = ["KERNEL_NAMES", "CudaBackend", "Kernels", "load", "source_path"]
 
@@ -114,7 +114,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, geo: _Geometry, kernels: Kernels, codec: str) -> None:
+    def __init__(self, geo: Geometry, kernels: Kernels, codec: str) -> None:
         if codec not in _PREFIXES:
             raise QuantizationError(f"no CUDA kernels for codec {codec!r}")
         if geo.dtype not in _SUFFIXES:

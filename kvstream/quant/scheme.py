@@ -44,6 +44,7 @@ __all__ = [
     "FP8_DTYPES",
     "SCALE_LAYOUT",
     "SCALE_LAYOUTS",
+    "Geometry",
     "check_codec",
     "effective_codec",
     "error_bound",
@@ -93,6 +94,19 @@ def scale_groups(layout: KVLayout) -> tuple[int, int, int, int]:
         "cpu_hnbc": (2 * h, 1, 1, bs * d),
         "mla": (1, 1, 1, bs * d),            # one latent "head"
     }[layout.arrangement]
+
+
+class Geometry:
+    """One cache's shape as the codec backends see it: the scale groups of a chunk, chunks
+    (K/V planes) per block, blocks, elements per chunk and dtype. Built from the layout and
+    the block count alone, so no backend needs the registered memory."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.groups = scale_groups(layout)
+        self.planes = layout.chunks_per_block
+        self.num_blocks = num_blocks
+        self.chunk = layout.chunk_bytes // layout.dtype_bytes
+        self.dtype = layout.dtype
 
 
 def groups_per_chunk(layout: KVLayout) -> int:

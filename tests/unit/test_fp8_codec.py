@@ -9,8 +9,9 @@ from kvstream import AgentConfig, ConfigError, KVLayout
 from kvstream._exceptions import QuantizationError
 from kvstream.dataplane.memory import RegisteredKV
 from kvstream.quant import cpu, reference
-from kvstream.quant.codec import LayerCodec, _CpuBackend, _Geometry
+from kvstream.quant.codec import LayerCodec, _CpuBackend
 from kvstream.quant.scheme import (
+    Geometry,
     effective_codec,
     scale_groups,
     wire_fingerprint,
@@ -55,7 +56,7 @@ def encode_both(lay: KVLayout, t: torch.Tensor, ids: list[int], kernel: object =
     blocks = mem.block_map(ids)
     fast = LayerCodec(mem, "fp8_e4m3")
     if kernel is not None:
-        fast.backend = _CpuBackend(_Geometry(mem), kernel, "fp8_e4m3")
+        fast.backend = _CpuBackend(Geometry(mem.layout, mem.num_blocks), kernel, "fp8_e4m3")
     slow = LayerCodec(mem, "fp8_e4m3", backend="torch")
     a = torch.zeros(fast.layer_bytes(len(ids)), dtype=torch.uint8)
     b = torch.zeros_like(a)
