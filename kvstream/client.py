@@ -29,6 +29,7 @@ import msgspec
 from kvstream import _exceptions as errors
 from kvstream import telemetry
 from kvstream._exceptions import ControlPlaneError, KVStreamError
+from kvstream.config import check_timeout
 from kvstream.handles import Waitable, error_for
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
@@ -38,6 +39,7 @@ from kvstream.transfer import TransferResult
 
 if TYPE_CHECKING:
     import torch
+    from opentelemetry.context import Context
 
     from kvstream.agent import Agent
 
@@ -182,9 +184,11 @@ class _LocalClient:
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
-                   block_hashes: Sequence[int] | None = None, codec: str | None = None) -> Any:
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None,
+                   timeout: float | None = None, trace_context: Context | None = None) -> Any:
         return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks,
-                                     mode=mode, block_hashes=block_hashes, codec=codec)
+                                     mode=mode, block_hashes=block_hashes, codec=codec,
+                                     timeout=timeout, trace_context=trace_context)
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
@@ -194,9 +198,11 @@ class _LocalClient:
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
-                   codec: str | None = None) -> Any:
+                   codec: str | None = None, timeout: float | None = None,
+                   trace_context: Context | None = None) -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
-                                     lookahead=lookahead, codec=codec)
+                                     lookahead=lookahead, codec=codec, timeout=timeout,
+                                     trace_context=trace_context)
 
     async def statistics(self) -> dict[str, int]:
         s = self.agent.statistics()
@@ -350,9 +356,8 @@ class _SidecarClient:
         self._handles.clear()
 
     # -- API -----------------------------------------------------------------------------
-    async def register_kv(self, layout: KVLayout,
-                          layers: SharedKV | Sequence[torch.Tensor], *,
-                          cache_scales: Sequence[float] | None = None) -> None:
+    async def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor] | SharedKV,
+                          *, cache_scales: Sequence[float] | None = None) -> None:
         """Hand KV to the sidecar: host KV allocated with ``SharedKV`` (the names are then
         unlinked: no leak on a crash), or CUDA tensors (shared through IPC handles; keep
         them alive while registered). ``cache_scales``: see ``Agent.register_kv``."""
@@ -381,13 +386,15 @@ class _SidecarClient:
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
-                   block_hashes: Sequence[int] | None = None, codec: str | None = None
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None,
+                   timeout: float | None = None, trace_context: Context | None = None
                    ) -> RemoteSend:
         return await self.request(  # type: ignore[no-any-return]
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
                     mode=mode, block_hashes=list(block_hashes or []),  # type: ignore[arg-type]
-                    codec=codec, traceparent=telemetry.current_traceparent()),
+                    codec=codec, traceparent=telemetry.current_traceparent(trace_context),
+                    timeout=check_timeout(timeout)),
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
@@ -402,12 +409,14 @@ class _SidecarClient:
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
-                   codec: str | None = None) -> RemoteReceive:
+                   codec: str | None = None, timeout: float | None = None,
+                   trace_context: Context | None = None) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(  # type: ignore[no-any-return]
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
-                    codec=codec, traceparent=telemetry.current_traceparent()),
+                    codec=codec, traceparent=telemetry.current_traceparent(trace_context),
+                    timeout=check_timeout(timeout)),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

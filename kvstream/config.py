@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -11,9 +12,17 @@ from kvstream._exceptions import ConfigError
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane.ucx import PROGRESS_MODES
 
-__all__ = ["AgentConfig", "check_endpoint"]
+__all__ = ["AgentConfig", "check_endpoint", "check_timeout"]
 
 MiB = 1 << 20
+
+
+def check_timeout(seconds: float | None) -> float | None:
+    """A per-transfer deadline: None (the agent's ``transfer_timeout_s``) or a positive,
+    finite number of seconds (NaN or inf would never pass, so the transfer never ends)."""
+    if seconds is not None and not (isinstance(seconds, int | float) and 0 < seconds < math.inf):
+        raise ConfigError(f"timeout must be a positive number of seconds, got {seconds!r}")
+    return seconds
 
 
 def check_endpoint(url: str) -> str:

@@ -31,6 +31,7 @@ from kvstream._exceptions import (
     ProtocolError,
     TransferError,
 )
+from kvstream.config import check_timeout
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
@@ -202,6 +203,7 @@ class Pulling:
         if mode not in PULL_MODES:
             raise ConfigError(f"mode must be one of {PULL_MODES}, got {mode!r}")
         Subjects.check_instance_id(src_instance)
+        check_timeout(timeout)
         blocks = mem.block_map(dst_blocks, what="destination block")
         key = (src_instance, request_id)
         kept_lease = self._wanted.get(key)

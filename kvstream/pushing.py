@@ -21,6 +21,7 @@ from kvstream._exceptions import (
     TransferAbortedError,
     TransferError,
 )
+from kvstream.config import check_timeout
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
@@ -64,6 +65,7 @@ class Pushing:
         if mode not in ("pipelined", "eager"):
             raise ConfigError(f"mode must be 'pipelined' or 'eager', got {mode!r}")
         Subjects.check_instance_id(dst_instance)
+        check_timeout(timeout)
         blocks = mem.block_map(src_blocks, what="source block")
         if dst_blocks is not None and len(dst_blocks) != len(blocks):
             raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"

@@ -178,9 +178,10 @@ def headers_of(span: Span | None) -> dict[str, str] | None:
     return carrier or None
 
 
-def current_traceparent() -> str:
-    """The caller's current span as a ``traceparent`` ("" when none is recording)."""
-    return traceparent_of(trace.get_current_span())
+def current_traceparent(context: Context | None = None) -> str:
+    """The current span of ``context`` (default: the caller's) as a ``traceparent`` ("" when
+    none is recording)."""
+    return traceparent_of(trace.get_current_span(context))
 
 
 def traceparent_of(span: Span | None) -> str:

@@ -80,6 +80,7 @@ class Push(LocalMessage, tag="push"):
     block_hashes: list[int] = []
     codec: str | None = None
     traceparent: str = ""  # the engine's request span: the transfer's trace nests under it
+    timeout: float | None = None  # None: the agent's transfer_timeout_s
 
 
 class Offer(LocalMessage, tag="offer"):
@@ -99,6 +100,7 @@ class Pull(LocalMessage, tag="pull"):
     lookahead: int = 1
     codec: str | None = None
     traceparent: str = ""
+    timeout: float | None = None
 
 
 class Fetch(LocalMessage, tag="fetch"):

@@ -184,14 +184,14 @@ class _Session:
     async def _push(self, msg: lp.Push, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.push(
             msg.request_id, msg.dst, msg.src_blocks, dst_blocks=msg.dst_blocks, mode=msg.mode,
-            block_hashes=msg.block_hashes, codec=msg.codec,
+            block_hashes=msg.block_hashes, codec=msg.codec, timeout=msg.timeout,
             trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
             self._finished)
 
     async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.pull(
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
-            lookahead=msg.lookahead, codec=msg.codec,
+            lookahead=msg.lookahead, codec=msg.codec, timeout=msg.timeout,
             trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
             self._watch_receive)
 

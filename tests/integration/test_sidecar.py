@@ -96,6 +96,35 @@ async def test_transfer_through_two_sidecars_is_bit_exact(sidecars):
         assert stats["kv_registered_bytes"] == 32 * lay.block_bytes * lay.num_layers
 
 
+async def test_push_timeout_reaches_the_sidecar(sidecars):
+    """A push's own deadline travels to the sidecar's agent (it used to be dropped), and a
+    deadline that could never pass is refused before anything is sent."""
+    import math
+
+    from kvstream import ConfigError, TransferError
+
+    lay = small_layout(layers=2)
+    _, psock = sidecars("sc-tp")
+    _, dsock = sidecars("sc-td")
+    src, dst = SharedKV.create(lay, 8), SharedKV.create(lay, 8)
+    async with Client.connect(psock) as p, Client.connect(dsock) as d:
+        await p.register_kv(lay, src)
+        await d.register_kv(lay, dst)
+        for bad in (math.nan, math.inf, -1.0):
+            with pytest.raises(ConfigError, match="timeout"):
+                await p.push("never", "sc-td", [1], timeout=bad)
+        rx = await d.expect("late", [2])
+        tx = await p.push("late", "sc-td", [1], timeout=0.5)  # no layer is ever marked ready
+        t0 = anyio.current_time()
+        with anyio.fail_after(20), pytest.raises(TransferError):
+            await tx.wait()
+        assert anyio.current_time() - t0 < 10  # the 0.5 s deadline, not the 60 s default
+        assert (await tx.result()).status == "timed_out"
+        with anyio.fail_after(20), pytest.raises(TransferError):
+            await rx.wait()
+        assert (await p.statistics())["transfers_active"] == 0
+
+
 async def test_lazy_incremental_pull_through_two_sidecars(sidecars):
     from kvstream import block_hashes
 

@@ -95,3 +95,10 @@ def test_the_finder_finds_a_circle() -> None:
 def test_no_new_import_circle() -> None:
     found = _cycles(_graph())
     assert sorted(map(sorted, found)) == sorted(map(sorted, KNOWN))
+
+
+def test_adapters_raise_adapter_errors_not_asserts() -> None:
+    """An engine calling the adapter wrongly gets an AdapterError (asserts vanish under -O)."""
+    for path in (ROOT / "adapters").rglob("*.py"):
+        found = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Assert)]
+        assert not found, f"{path.name}: assert at lines {found}"

@@ -90,7 +90,9 @@ class KVStreamConnector(KVConnectorBase_V1):
 
     # -- scheduler role ------------------------------------------------------------------
     def _s(self) -> SchedulerSide:
-        assert self._sched is not None, "a scheduler-role method called on a worker"
+        if self._sched is None:
+            raise AdapterError("a scheduler-role method of KVStreamConnector was called on a "
+                               "worker-role connector")
         return self._sched
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -123,14 +125,18 @@ class KVStreamConnector(KVConnectorBase_V1):
 
     # -- worker role ---------------------------------------------------------------------
     def _w(self) -> WorkerSide:
-        assert self._worker is not None, "a worker-role method called on the scheduler"
+        if self._worker is None:
+            raise AdapterError("a worker-role method of KVStreamConnector was called on a "
+                               "scheduler-role connector")
         return self._worker
 
     def _meta(self) -> KVStreamMetadata | None:
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStreamMetadata)
+        if not isinstance(meta, KVStreamMetadata):
+            raise AdapterError(f"connector metadata is a {type(meta).__name__}, not "
+                               "KVStreamMetadata: another connector's scheduler built it")
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -129,7 +129,9 @@ class Side:
     def __init__(self, vllm_config: VllmConfig, role_name: str) -> None:
         self._vllm_config = vllm_config
         ktc = vllm_config.kv_transfer_config
-        assert ktc is not None
+        if ktc is None:
+            raise AdapterError("KVStreamConnector needs vLLM's kv_transfer_config "
+                               "(--kv-transfer-config)")
         self._kv_transfer_config = ktc
         self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
         unknown = set(self._extra) - EXTRA_KEYS

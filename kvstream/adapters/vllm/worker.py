@@ -183,7 +183,8 @@ class WorkerSide(Side):
     # -- on the agent's loop --------------------------------------------------------------
     def _offer(self, rid: str, blocks: list[int], hashes: list[int]) -> SendHandle:
         agent = self._rt().agent
-        assert agent is not None
+        if agent is None:
+            raise AdapterError("the connector's agent is not running (shut down?)")
         handle = agent.offer(rid, blocks, block_hashes=hashes, mode="eager",
                              lease_s=self._extra.get("lease_s"))
         handle.all_ready()

@@ -1,0 +1,55 @@
+"""The client surface, written once: what ``Client.local(agent)`` and
+``Client.connect(socket)`` both offer an engine, with the same names, parameters and
+defaults (a test compares their signatures with this Protocol's).
+
+``Agent`` itself offers the same transfers with synchronous ``expect``/``offer`` and a
+struct from ``statistics()``; the client is the engine-facing form of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from opentelemetry.context import Context
+
+    from kvstream.layout import KVLayout
+    from kvstream.shm import SharedKV
+
+__all__ = ["TransferClient"]
+
+
+class TransferClient(Protocol):
+    """An engine's handle on its agent, wherever the agent runs. Every call raises
+    kvstream errors only (``ConfigError``, ``InvalidBlockError``, ``NoPeerError``,
+    ``IncompatiblePeerError``, ``TransferError``, ``SidecarLostError`` ...)."""
+
+    async def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor] | SharedKV,
+                          *, cache_scales: Sequence[float] | None = None) -> None:
+        """Hand the engine's KV memory to the agent (once)."""
+
+    async def expect(self, request_id: str, blocks: Sequence[int], *,
+                     have: Sequence[int] = ()) -> Any:
+        """Reserve ``blocks`` for a push of ``request_id``; a receive handle."""
+
+    async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None,
+                   timeout: float | None = None, trace_context: Context | None = None) -> Any:
+        """Send ``src_blocks`` to instance ``dst``; a send handle (mark layers ready)."""
+
+    async def offer(self, request_id: str, src_blocks: Sequence[int], *,
+                    block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+                    lease_s: float | None = None) -> Any:
+        """Hold ``src_blocks`` under a lease for a destination's pull; a send handle."""
+
+    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
+                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+                   codec: str | None = None, timeout: float | None = None,
+                   trace_context: Context | None = None) -> Any:
+        """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``."""
+
+    async def statistics(self) -> dict[str, int]:
+        """The agent's counters (``AgentStatistics``' integer fields)."""

@@ -1,0 +1,45 @@
+"""One client surface: the in-process and the sidecar client take the same calls."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+
+from kvstream.client import _LocalClient, _SidecarClient
+from kvstream.client_api import TransferClient
+from kvstream.config import check_timeout
+
+METHODS = [n for n, v in vars(TransferClient).items()
+           if inspect.iscoroutinefunction(v) and not n.startswith("_")]
+
+
+def _params(fn) -> list[tuple[str, object, object, str]]:
+    return [(p.name, p.kind, p.default, str(p.annotation))
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_the_protocol_names_every_transfer_call() -> None:
+    assert set(METHODS) == {"register_kv", "expect", "push", "offer", "pull", "statistics"}
+
+
+@pytest.mark.parametrize("client", [_LocalClient, _SidecarClient])
+@pytest.mark.parametrize("name", METHODS)
+def test_both_clients_match_the_protocol(client: type, name: str) -> None:
+    assert _params(getattr(client, name)) == _params(getattr(TransferClient, name)), name
+
+
+def test_a_changed_signature_is_caught() -> None:
+    async def push(self, request_id: str, dst: str, src_blocks, *, mode: str = "eager"): ...
+
+    assert _params(push) != _params(TransferClient.push)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "5"])
+def test_deadlines_that_would_never_pass_are_refused(bad: object) -> None:
+    from kvstream import ConfigError
+
+    with pytest.raises(ConfigError, match="timeout"):
+        check_timeout(bad)  # type: ignore[arg-type]
+    assert check_timeout(None) is None and check_timeout(2.5) == 2.5
