@@ -14,7 +14,7 @@ import nats.errors
 
 from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NatsConnectError, NoPeerError
 from kvstream.control import messages as m
-from kvstream.control.reach import classify, servers_of
+from kvstream.control.reach import classify, probe, servers_of
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -76,6 +76,12 @@ class ControlBus:
             cause, words = failures[-1] if failures else classify(exc)
             if not failures and isinstance(exc, TimeoutError):
                 words = f"no connection within {timeout:g}s"
+            if cause == "other" and await _requires_auth(url):
+                # The server closes after '-ERR Authorization Violation'; under load the
+                # close can overtake the error line (a reset discards it), leaving only
+                # "connection reset". The server's greeting says why it closed.
+                cause, words = "auth", ("authentication failed (the server requires "
+                                        f"credentials and closed the connection: {words})")
             raise NatsConnectError(f"cannot connect to NATS at {url}: {words}", url=url,
                                    cause=cause, detail=words) from exc
         connected = True
@@ -178,6 +184,14 @@ class ControlBus:
                 task = asyncio.current_task()
                 if task is not None and getattr(task, "cancelling", lambda: 1)():
                     raise
+
+
+async def _requires_auth(url: str) -> bool:
+    try:
+        with anyio.fail_after(1.5):
+            return any(p.reachable and p.auth_required for p in await probe(url, timeout=1.0))
+    except Exception:
+        return False
 
 
 class _GiveUp(Exception):

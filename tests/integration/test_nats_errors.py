@@ -3,6 +3,7 @@ the CLI says it in one line. Real nats-server processes and real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -77,9 +78,51 @@ async def test_silent_server_times_out(silent_url: str) -> None:
 async def test_wrong_credentials_are_named(auth_server: int) -> None:
     err, took = await _fails(f"nats://kv:wrong@127.0.0.1:{auth_server}")
     assert err.cause == "auth" and "authentication failed" in str(err)
-    assert took < 2.0
+    assert took < 3.0  # one refused attempt, and at most one look at the server's greeting
     bus = await ControlBus.connect(f"nats://kv:secret@127.0.0.1:{auth_server}", name="ok")
     await bus.close()
+
+
+@pytest.fixture
+def resetting_url():
+    """A server that greets as a NATS server requiring auth, then resets the connection on
+    CONNECT: what a real one's '-ERR Authorization Violation' plus close looks like when
+    the reset overtakes the error line."""
+    import struct
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b'INFO {"server_id":"x","version":"2.10.0","auth_required":true,'
+                             b'"max_payload":1048576,"proto":1}\r\n')
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"nats://kv:wrong@127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    srv.close()
+
+
+async def test_reset_after_greeting_is_named_auth(resetting_url: str) -> None:
+    err, took = await _fails(resetting_url)
+    assert err.cause == "auth" and "requires credentials" in str(err), str(err)
+    assert took < 3.0
 
 
 async def test_probe_sees_the_server_without_credentials(auth_server: int) -> None:
