@@ -119,9 +119,12 @@ async def test_push_timeout_reaches_the_sidecar(sidecars):
         with anyio.fail_after(20), pytest.raises(TransferError):
             await tx.wait()
         assert anyio.current_time() - t0 < 10  # the 0.5 s deadline, not the 60 s default
-        assert (await tx.result()).status == "timed_out"
         with anyio.fail_after(20), pytest.raises(TransferError):
             await rx.wait()
+        # The manifest carries the deadline, so either side may time out first and the
+        # other then sees the peer's abort.
+        ends = {(await tx.result()).status, (await rx.result()).status}
+        assert "timed_out" in ends and ends <= {"timed_out", "aborted"}, ends
         assert (await p.statistics())["transfers_active"] == 0
 
 
