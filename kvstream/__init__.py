@@ -5,9 +5,12 @@ torch and ucxx are imported by the modules that use them, when they use them.
 """
 
 from kvstream._exceptions import AdapterError as AdapterError
+from kvstream._exceptions import CapacityError as CapacityError
+from kvstream._exceptions import ClosedError as ClosedError
 from kvstream._exceptions import ConfigError as ConfigError
 from kvstream._exceptions import ControlPlaneError as ControlPlaneError
 from kvstream._exceptions import DataPlaneError as DataPlaneError
+from kvstream._exceptions import DuplicateRequestError as DuplicateRequestError
 from kvstream._exceptions import IncompatiblePeerError as IncompatiblePeerError
 from kvstream._exceptions import InvalidBlockError as InvalidBlockError
 from kvstream._exceptions import KVStreamError as KVStreamError
@@ -50,10 +53,13 @@ __all__ = (
     "AgentConfig",
     "AgentStatistics",
     "BlockingClient",
+    "CapacityError",
     "Client",
+    "ClosedError",
     "ConfigError",
     "ControlPlaneError",
     "DataPlaneError",
+    "DuplicateRequestError",
     "EmbeddedNats",
     "IncompatiblePeerError",
     "InvalidBlockError",

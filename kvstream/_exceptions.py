@@ -6,6 +6,9 @@ msgspec, torch) are translated at the module that talks to them, with
 
     KVStreamError
     ├── ConfigError                 bad settings, unknown preset, bad CLI argument
+    │   ├── CapacityError           a bounded table is full (max_transfers ...)
+    │   ├── DuplicateRequestError   the request already has a reservation, offer or pull
+    │   └── ClosedError             the agent is not started, or closed
     ├── LayoutError                 memory that does not match its KVLayout
     ├── ProtocolError               a message we cannot accept
     │   ├── MessageDecodeError      malformed bytes or wrong field types
@@ -24,17 +27,29 @@ msgspec, torch) are translated at the module that talks to them, with
     ├── QuantizationError
     ├── AdapterError
     └── ProxyError                  ``kvstream proxy`` could not serve a request (HTTP status)
+
+Every error carries its structured fields as attributes (request id, peer, block ids,
+limit ...); ``fields()`` lists them, so an error crossing the sidecar socket arrives
+whole (``from_fields`` rebuilds it on the engine's side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
+
+# What a structured field may hold on the wire (the sidecar protocol carries them).
+FieldValue: TypeAlias = str | int | float | bool | list[int] | None
 
 __all__ = [
     "AdapterError",
+    "CapacityError",
+    "ClosedError",
     "ConfigError",
     "ControlPlaneError",
     "DataPlaneError",
+    "DuplicateRequestError",
+    "FieldValue",
     "IncompatiblePeerError",
     "InvalidBlockError",
     "KVStreamError",
@@ -56,9 +71,59 @@ __all__ = [
 class KVStreamError(Exception):
     """Root of every kvstream error."""
 
+    def fields(self) -> dict[str, FieldValue]:
+        """The structured fields (public attributes of wire-safe types), by name."""
+        out: dict[str, FieldValue] = {}
+        for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, tuple | list) and all(type(v) is int for v in value):
+                out[name] = list(value)
+            elif value is None or isinstance(value, str | int | float | bool):
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_fields(cls, message: str, fields: dict[str, FieldValue]) -> KVStreamError:
+        """The error as its raiser had it, without running a constructor (their keyword
+        arguments differ); list fields come back as tuples, as the constructors keep them."""
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, message)
+        for name, value in fields.items():
+            if not name.startswith("_"):
+                setattr(exc, name, tuple(value) if isinstance(value, list) else value)
+        return exc
+
 
 class ConfigError(KVStreamError):
     """A setting, preset name or argument is invalid."""
+
+
+class CapacityError(ConfigError):
+    """A bounded table or pool is full; ``what`` it is and its ``limit``. (A ConfigError
+    too: code that caught that before still does.)"""
+
+    def __init__(self, message: str, *, what: str = "", limit: int = 0) -> None:
+        super().__init__(message)
+        self.what = what
+        self.limit = limit
+
+
+class DuplicateRequestError(ConfigError):
+    """``request_id`` already has a reservation, an offer or a pull here."""
+
+    def __init__(self, message: str, *, request_id: str = "", peer: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.peer = peer
+
+
+class ClosedError(ConfigError):
+    """The resource (``what``) is not started, or already closed."""
+
+    def __init__(self, message: str, *, what: str = "agent") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 class LayoutError(KVStreamError):

@@ -20,7 +20,9 @@ from opentelemetry.metrics import Observation
 
 from kvstream import telemetry
 from kvstream._exceptions import (
+    ClosedError,
     ConfigError,
+    DuplicateRequestError,
     InvalidBlockError,
     KVStreamError,
 )
@@ -242,7 +244,7 @@ class Agent(Admission, Pushing, Pulling, Leases, Liveness):
     @property
     def worker_address(self) -> bytes:
         if self._worker is None:
-            raise ConfigError("the agent is not started")
+            raise ClosedError("the agent is not started (use it as an async context manager)")
         return self._worker.address
 
     # -- the decode side ---------------------------------------------------------------
@@ -257,7 +259,8 @@ class Agent(Admission, Pushing, Pulling, Leases, Liveness):
         """
         mem = self._mem()
         if request_id in self._reservations:
-            raise ConfigError(f"request {request_id!r} already has a reservation")
+            raise DuplicateRequestError(f"request {request_id!r} already has a reservation",
+                                        request_id=request_id)
         if request_id in self._unclaimed:
             stream, promised = self._unclaimed[request_id]
             blocks = mem.block_map(dst_blocks, what="destination block")
@@ -359,7 +362,7 @@ class Agent(Admission, Pushing, Pulling, Leases, Liveness):
     # -- control plane -----------------------------------------------------------------
     def _bus_(self) -> ControlBus:
         if self._bus is None:
-            raise ConfigError("the agent is not started")
+            raise ClosedError("the agent is not started (use it as an async context manager)")
         return self._bus
 
     async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]) -> m.ControlMessage | None:

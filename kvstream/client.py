@@ -52,10 +52,12 @@ class SidecarLostError(ControlPlaneError):
     """The sidecar process went away; its transfers cannot be followed any more."""
 
 
-def _error(kind: str, message: str) -> KVStreamError:
+def _error(kind: str, message: str, fields: dict[str, errors.FieldValue] | None = None
+           ) -> KVStreamError:
+    """The sidecar's error as the agent raised it: its class and structured fields."""
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, KVStreamError):
-        return cls(message)
+        return cls.from_fields(message, fields or {})
     return KVStreamError(f"{kind}: {message}")
 
 
@@ -297,7 +299,7 @@ class _SidecarClient:
             raise self._lost or SidecarLostError("sidecar connection closed")
         reply = box[0]
         if isinstance(reply, lp.Error):
-            raise _error(reply.kind, reply.message)
+            raise _error(reply.kind, reply.message, reply.fields)
         return reply
 
     async def _reader(self) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from kvstream._exceptions import (
-    ConfigError,
+    DuplicateRequestError,
     IncompatiblePeerError,
     InvalidBlockError,
     KVStreamError,
@@ -195,7 +195,8 @@ class Leases:
         Subjects.check_instance_id(src_instance)
         key = (src_instance, request_id)
         if key in self._wanted:
-            raise ConfigError(f"{request_id!r} at {src_instance} is already kept or pulled")
+            raise DuplicateRequestError(f"{request_id!r} at {src_instance} is already kept or pulled",
+                                        request_id=request_id, peer=src_instance)
         lease = RemoteLease(self, src_instance, request_id)
         self._wanted[key] = lease
         try:

@@ -23,7 +23,9 @@ from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
 from kvstream._exceptions import (
+    CapacityError,
     ConfigError,
+    DuplicateRequestError,
     IncompatiblePeerError,
     InvalidBlockError,
     KVStreamError,
@@ -103,7 +105,8 @@ class Pulling:
         if lease <= 0:
             raise ConfigError("lease_s must be positive")
         if request_id in self._held or request_id in self._pulled:
-            raise ConfigError(f"request {request_id!r} is already offered")
+            raise DuplicateRequestError(f"request {request_id!r} is already offered",
+                                        request_id=request_id)
         self._check_capacity()
         t = Transfer(transfer_id=uuid.uuid4().hex, request_id=request_id, side=Side.SEND,
                      peer="", num_layers=mem.layout.num_layers,
@@ -208,7 +211,8 @@ class Pulling:
         key = (src_instance, request_id)
         kept_lease = self._wanted.get(key)
         if kept_lease is not None and not isinstance(kept_lease, RemoteLease):
-            raise ConfigError(f"{request_id!r} at {src_instance} is already being pulled")
+            raise DuplicateRequestError(f"{request_id!r} at {src_instance} is already being pulled",
+                                        request_id=request_id, peer=src_instance)
         self._check_capacity()
         dst_tag = wire.next_xfer_tag()
         deadline = timeout or self.config.transfer_timeout_s
@@ -304,7 +308,8 @@ class Pulling:
     def _check_capacity(self: Agent) -> None:
         active = len(self._reservations) + len(self._streams) + len(self._held)
         if active >= self.config.max_transfers:
-            raise ConfigError(f"max_transfers={self.config.max_transfers} reached")
+            raise CapacityError(f"max_transfers={self.config.max_transfers} reached",
+                                what="transfers", limit=self.config.max_transfers)
 
     def _complete_empty(self: Agent, t: Transfer, handle: ReceiveHandle | None = None) -> None:
         """Every block was already at the destination: done without moving a byte."""

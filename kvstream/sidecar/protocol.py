@@ -13,7 +13,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from kvstream._exceptions import MessageDecodeError
+from kvstream._exceptions import FieldValue, MessageDecodeError
 from kvstream.cuda_ipc import CudaTensorHandle
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedKVSpec
@@ -134,6 +134,7 @@ class Ok(LocalMessage, tag="ok"):
 class Error(LocalMessage, tag="error"):
     kind: str
     message: str
+    fields: dict[str, FieldValue] = {}  # the error's structured fields (KVStreamError.fields)
 
 
 class LayerLanded(LocalMessage, tag="layer_landed"):

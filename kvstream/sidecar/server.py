@@ -74,7 +74,9 @@ class _Session:
                 await self.stream.send(lp.frame(msg))
 
     async def reply_error(self, req_id: int, exc: Exception) -> None:
-        await self.send(lp.Error(id=req_id, kind=type(exc).__name__, message=str(exc)))
+        fields = exc.fields() if isinstance(exc, KVStreamError) else {}
+        await self.send(lp.Error(id=req_id, kind=type(exc).__name__, message=str(exc),
+                                 fields=fields))
 
     async def run(self) -> None:
         try:
@@ -266,11 +268,21 @@ class Sidecar:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         async with self.agent:
+            # Bound and listening under a private name, then renamed into place: an engine
+            # that sees the path can connect (between bind and listen it would be refused).
+            staged = f"{self.socket_path}.{os.getpid()}.tmp"
             try:
-                listener = await anyio.create_unix_listener(self.socket_path)
+                listener = await anyio.create_unix_listener(staged)
             except OSError as exc:
                 raise ConfigError(f"cannot listen on {self.socket_path}: {exc}") from exc
-            os.chmod(self.socket_path, 0o600)
+            try:
+                os.chmod(staged, 0o600)
+                os.replace(staged, self.socket_path)
+            except OSError as exc:
+                await listener.aclose()
+                with contextlib.suppress(OSError):
+                    os.unlink(staged)
+                raise ConfigError(f"cannot listen on {self.socket_path}: {exc}") from exc
             try:
                 async with listener:
                     log.info("kvstream sidecar %s ready: socket %s, NATS %s, role %s",

@@ -128,6 +128,23 @@ async def test_push_timeout_reaches_the_sidecar(sidecars):
         assert (await p.statistics())["transfers_active"] == 0
 
 
+async def test_agent_errors_arrive_with_their_fields(sidecars):
+    from kvstream import DuplicateRequestError, InvalidBlockError
+
+    lay = small_layout(layers=2)
+    _, dsock = sidecars("sc-err")
+    dst = SharedKV.create(lay, 8)
+    async with Client.connect(dsock) as d:
+        await d.register_kv(lay, dst)
+        await d.expect("twice", [1])
+        with pytest.raises(DuplicateRequestError) as dup:
+            await d.expect("twice", [2])
+        assert dup.value.request_id == "twice"
+        with pytest.raises(InvalidBlockError) as bad:
+            await d.expect("outside", [3, 99])
+        assert 99 in bad.value.block_ids
+
+
 async def test_lazy_incremental_pull_through_two_sidecars(sidecars):
     from kvstream import block_hashes
 

@@ -43,3 +43,23 @@ def test_deadlines_that_would_never_pass_are_refused(bad: object) -> None:
     with pytest.raises(ConfigError, match="timeout"):
         check_timeout(bad)  # type: ignore[arg-type]
     assert check_timeout(None) is None and check_timeout(2.5) == 2.5
+
+
+def test_errors_cross_the_sidecar_socket_whole() -> None:
+    """An agent error reaches the engine behind a sidecar with its class and fields."""
+    import kvstream
+    from kvstream.client import _error
+    from kvstream.sidecar import protocol as lp
+
+    cases = [kvstream.InvalidBlockError("bad ids", block_ids=[7, 9], limit=8),
+             kvstream.DuplicateRequestError("again", request_id="r1", peer="p0"),
+             kvstream.CapacityError("full", what="transfers", limit=1024),
+             kvstream.NoPeerError("gone", peer="d0", no_responders=True),
+             kvstream.ClosedError("not started")]
+    for exc in cases:
+        wire = lp.Error(id=1, kind=type(exc).__name__, message=str(exc), fields=exc.fields())
+        back = lp.decode(lp.frame(wire)[4:])
+        got = _error(back.kind, back.message, back.fields)
+        assert type(got) is type(exc) and str(got) == str(exc)
+        assert vars(got) == vars(exc), type(exc).__name__
+    assert isinstance(cases[1], kvstream.ConfigError)  # callers that caught ConfigError still do
