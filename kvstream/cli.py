@@ -361,7 +361,6 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
             max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
             log_level: str, trace_file: str | None) -> None:
     """Run an agent next to one engine, served over a Unix socket."""
-    import logging
     import os
     import signal
 
