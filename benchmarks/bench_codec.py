@@ -6,7 +6,7 @@ against the naive torch path.
     python benchmarks/bench_codec.py --accuracy                          # error, attention
 """
 
-from kvstream.cli import main
+from kvstream.tools.cli import main
 
 if __name__ == "__main__":
     import sys

@@ -3,7 +3,7 @@
     python benchmarks/bench_stream.py --json --layer-compute-ms 5
 """
 
-from kvstream.cli import main
+from kvstream.tools.cli import main
 
 if __name__ == "__main__":
     import sys

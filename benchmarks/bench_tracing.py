@@ -3,7 +3,7 @@
     python benchmarks/bench_tracing.py --json --repeat 3
 """
 
-from kvstream.cli import main
+from kvstream.tools.cli import main
 
 if __name__ == "__main__":
     import sys

@@ -1,5 +1,5 @@
 """Why kvstream ships int8 next to fp8_e4m3: attention-output cosine on the trained tiny
-Llama's real KV (``kvstream.quant.accuracy.tiny_llama_kv``) for 8-bit schemes simulated in
+Llama's real KV (``kvstream.bench.accuracy.tiny_llama_kv``) for 8-bit schemes simulated in
 torch: e4m3 at every scale granularity, int8 at a few, and the mixes.
 
     python benchmarks/codec_granularity.py
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvstream.quant.accuracy import _attention, _kv_heads, tiny_llama_kv
+from kvstream.bench.accuracy import _attention, _kv_heads, tiny_llama_kv
 
 BLOCK = 16
 Codec = Callable[[torch.Tensor], torch.Tensor]  # [heads, tokens, d] -> decoded, float32

@@ -162,7 +162,7 @@ def run(nats_url: str | None = None) -> tuple[list[int], list[int]]:
         for name in ("prefill-0", "decode-0"):
             socks[name] = os.path.join(tmp, f"{name}.sock")
             sidecars.append(subprocess.Popen(
-                [sys.executable, "-m", "kvstream.cli", "sidecar", "--instance-id", name,
+                [sys.executable, "-m", "kvstream.tools.cli", "sidecar", "--instance-id", name,
                  "--socket", socks[name], "--nats-url", nats.url, "--log-level", "warning"]))
         try:
             for sock in socks.values():

@@ -26,24 +26,26 @@ from kvstream._exceptions import QuantizationError as QuantizationError
 from kvstream._exceptions import TransferAbortedError as TransferAbortedError
 from kvstream._exceptions import TransferError as TransferError
 from kvstream._exceptions import TransferTimeout as TransferTimeout
-from kvstream.agent import Agent as Agent
-from kvstream.agent import AgentStatistics as AgentStatistics
 from kvstream.blocking import BlockingClient as BlockingClient
 from kvstream.client import Client as Client
 from kvstream.client import SidecarLostError as SidecarLostError
 from kvstream.config import AgentConfig as AgentConfig
 from kvstream.control.nats_server import EmbeddedNats as EmbeddedNats
-from kvstream.handles import ReceiveHandle as ReceiveHandle
-from kvstream.handles import SendHandle as SendHandle
+from kvstream.engine.agent import Agent as Agent
+from kvstream.engine.agent import AgentStatistics as AgentStatistics
+from kvstream.engine.keeper import RemoteLease as RemoteLease
 from kvstream.layout import KVLayout as KVLayout
-from kvstream.leases import RemoteLease as RemoteLease
-from kvstream.planner import Plan as Plan
-from kvstream.planner import plan_transfer as plan_transfer
 from kvstream.prefix import block_hashes as block_hashes
 from kvstream.shm import SharedKV as SharedKV
 from kvstream.sidecar.server import Sidecar as Sidecar
+from kvstream.tools.planner import Plan as Plan
+from kvstream.tools.planner import plan_transfer as plan_transfer
+from kvstream.transfer import EndCause as EndCause
+from kvstream.transfer import Side as Side
 from kvstream.transfer import TransferResult as TransferResult
 from kvstream.transfer import TransferState as TransferState
+from kvstream.transfer.handles import ReceiveHandle as ReceiveHandle
+from kvstream.transfer.handles import SendHandle as SendHandle
 
 __version__ = "0.1.0"
 
@@ -61,6 +63,7 @@ __all__ = (
     "DataPlaneError",
     "DuplicateRequestError",
     "EmbeddedNats",
+    "EndCause",
     "IncompatiblePeerError",
     "InvalidBlockError",
     "KVLayout",
@@ -79,6 +82,7 @@ __all__ = (
     "RemoteLease",
     "SendHandle",
     "SharedKV",
+    "Side",
     "Sidecar",
     "SidecarLostError",
     "TransferAbortedError",

@@ -28,13 +28,13 @@ class _Blocking:
         return bool(self.handle.done)
 
     def result(self) -> TransferResult:
-        return self._portal.call(self.handle.result)  # type: ignore[no-any-return]
+        return self._portal.call(self.handle.result)
 
     def wait(self) -> TransferResult:
-        return self._portal.call(self.handle.wait)  # type: ignore[no-any-return]
+        return self._portal.call(self.handle.wait)
 
     def abort(self, reason: str = "aborted by the engine") -> TransferResult:
-        return self._portal.call(self.handle.abort, reason)  # type: ignore[no-any-return]
+        return self._portal.call(self.handle.abort, reason)
 
 
 class BlockingReceive(_Blocking):
@@ -111,4 +111,4 @@ class BlockingClient:
         return BlockingSend(self._portal, self._portal.call(push))
 
     def statistics(self) -> dict[str, int]:
-        return self._call(self._client.statistics)  # type: ignore[no-any-return]
+        return self._call(self._client.statistics)

@@ -30,18 +30,18 @@ from kvstream import _exceptions as errors
 from kvstream import telemetry
 from kvstream._exceptions import ControlPlaneError, KVStreamError
 from kvstream.config import check_timeout
-from kvstream.handles import Waitable, error_for
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
-from kvstream.sidecar.server import read_frame
-from kvstream.transfer import TransferResult
+from kvstream.sidecar.protocol import read_frame
+from kvstream.transfer import EndCause, Side, TransferResult, TransferState
+from kvstream.transfer.handles import Waitable, error_for
 
 if TYPE_CHECKING:
     import torch
     from opentelemetry.context import Context
 
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
 
 __all__ = ["Client", "RemoteReceive", "RemoteSend", "SidecarLostError"]
 
@@ -62,6 +62,7 @@ def _error(kind: str, message: str, fields: dict[str, errors.FieldValue] | None 
 
 
 class _RemoteHandle(Waitable):
+    side: Side
     def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str):
         self._client = client
         self.hid = hid
@@ -93,6 +94,8 @@ class _RemoteHandle(Waitable):
 
 class RemoteReceive(_RemoteHandle):
     """Decode side, sidecar flavour; ``layer_landed`` is a local check (no round trip)."""
+
+    side = Side.RECV
 
     def __init__(self, client: _SidecarClient, hid: int, num_layers: int, request_id: str,
                  *, lazy: bool = False, lookahead: int = 1):
@@ -140,6 +143,8 @@ class RemoteReceive(_RemoteHandle):
 
 class RemoteSend(_RemoteHandle):
     """Prefill side, sidecar flavour; ``layer_ready`` queues one small frame, no reply."""
+
+    side = Side.SEND
 
     def layer_ready(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -240,7 +245,7 @@ class _SidecarClient:
         self._sock = self._stream.extra(anyio.abc.SocketAttribute.raw_socket)
         tg.start_soon(self._reader)
         reply = await self.request(lp.Hello(pid=_pid()))
-        self.instance_id = reply.instance_id  # type: ignore[union-attr]
+        self.instance_id = reply.instance_id
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -280,7 +285,8 @@ class _SidecarClient:
         if self._lost is not None:
             raise self._lost
         rid = next(self._ids)
-        done, box = anyio.Event(), []
+        done = anyio.Event()
+        box: list[Any] = []
         self._pending[rid] = (done, box, make_handle)
         try:
             self._write(lp.frame(msgspec.structs.replace(msg, id=rid)))
@@ -353,8 +359,9 @@ class _SidecarClient:
         now = anyio.current_time()
         for h in list(self._handles.values()):
             h._finish(TransferResult(
-                transfer_id="", request_id=h.request_id, side="", peer="", status="failed",
-                reason=f"sidecar lost: {why}", bytes=0, layers=0, started_at=now, ended_at=now))
+                transfer_id="", request_id=h.request_id, side=h.side, peer="",
+                status=TransferState.FAILED, reason=f"sidecar lost: {why}", bytes=0, layers=0,
+                started_at=now, ended_at=now, cause=EndCause.PEER_LOST))
         self._handles.clear()
 
     # -- API -----------------------------------------------------------------------------
@@ -382,7 +389,7 @@ class _SidecarClient:
 
     async def expect(self, request_id: str, blocks: Sequence[int], *,
                      have: Sequence[int] = ()) -> RemoteReceive:
-        return await self.request(  # type: ignore[no-any-return]
+        return await self.request(
             lp.Expect(request_id=request_id, blocks=list(blocks), have=list(have)),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id))
 
@@ -391,7 +398,7 @@ class _SidecarClient:
                    block_hashes: Sequence[int] | None = None, codec: str | None = None,
                    timeout: float | None = None, trace_context: Context | None = None
                    ) -> RemoteSend:
-        return await self.request(  # type: ignore[no-any-return]
+        return await self.request(
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
                     mode=mode, block_hashes=list(block_hashes or []),  # type: ignore[arg-type]
@@ -403,7 +410,7 @@ class _SidecarClient:
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
                     lease_s: float | None = None) -> RemoteSend:
         """Hold blocks for a destination's ``pull`` (see ``Agent.offer``)."""
-        return await self.request(  # type: ignore[no-any-return]
+        return await self.request(
             lp.Offer(request_id=request_id, src_blocks=list(src_blocks),
                      block_hashes=list(block_hashes or []), mode=mode,  # type: ignore[arg-type]
                      lease_s=lease_s),
@@ -414,7 +421,7 @@ class _SidecarClient:
                    codec: str | None = None, timeout: float | None = None,
                    trace_context: Context | None = None) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
-        return await self.request(  # type: ignore[no-any-return]
+        return await self.request(
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Final, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
 from kvstream._exceptions import ConfigError
 from kvstream.control.subjects import Subjects
-from kvstream.dataplane.ucx import PROGRESS_MODES
 
-__all__ = ["AgentConfig", "check_endpoint", "check_timeout"]
+__all__ = ["PROGRESS_MODES", "AgentConfig", "check_endpoint", "check_timeout"]
+
+# How the UCX worker makes progress (dataplane/ucx.py says why "thread" is the default).
+PROGRESS_MODES: Final = ("thread", "blocking", "polling")
 
 MiB = 1 << 20
 

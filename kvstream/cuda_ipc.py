@@ -60,7 +60,7 @@ def import_cuda(h: CudaTensorHandle) -> torch.Tensor:
 
     if not torch.cuda.is_available():
         raise LayoutError("CUDA IPC handles need a CUDA device in the sidecar's process")
-    return rebuild_cuda_tensor(  # type: ignore[no-any-return]
+    return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(h.size), tuple(h.stride), h.offset, torch.storage.TypedStorage,
         getattr(torch, h.dtype), h.device, h.handle, h.storage_size_bytes,
         h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,

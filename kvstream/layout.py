@@ -27,7 +27,7 @@ import msgspec
 
 from kvstream._exceptions import ConfigError
 
-__all__ = ["ARRANGEMENTS", "DTYPE_BYTES", "Arrangement", "KVLayout"]
+__all__ = ["ARRANGEMENTS", "DTYPE_BYTES", "FP8_DTYPES", "Arrangement", "KVLayout"]
 
 DTYPE_BYTES: Final[dict[str, int]] = {
     "float32": 4,
@@ -37,6 +37,9 @@ DTYPE_BYTES: Final[dict[str, int]] = {
     "float8_e5m2": 1,
     "uint8": 1,
 }
+
+# An FP8 cache: its blocks travel with their scales and no codec re-quantizes them.
+FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 Arrangement = Literal["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla"]
 

@@ -1,7 +1,7 @@
 """Traces and metrics of transfers, through the OpenTelemetry *API* only.
 
 The library never configures an SDK: an application (the sidecar, the CLI, the demo,
-or the engine) does, with ``kvstream.otel.configure``. Without one every call here is
+or the engine) does, with ``kvstream.tools.otel.configure``. Without one every call here is
 the API's no-op, and the per-layer work is skipped outright: a layer span is made only
 when its transfer's span is recording.
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
 import anyio.from_thread
 
 from kvstream._exceptions import AdapterError
-from kvstream.agent import Agent
+from kvstream.engine.agent import Agent
 
 if TYPE_CHECKING:
     import torch
@@ -66,9 +66,16 @@ class AgentRuntime:
             self._portal_cm.__exit__(None, None, None)
             raise
 
-    def call(self, fn: Callable[..., T | Awaitable[T]], *args: Any) -> T:
-        """Run ``fn`` on the agent's loop and wait for it (keep it short)."""
-        return self.portal.call(fn, *args)  # type: ignore[arg-type]
+    @overload
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+
+    @overload
+    def call(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the agent's loop and wait for it (keep it short); a coroutine
+        function's result is awaited there (as ``BlockingPortal.call`` does)."""
+        return self.portal.call(fn, *args)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> concurrent.futures.Future[Any]:
         """Start ``fn`` on the agent's loop without waiting."""

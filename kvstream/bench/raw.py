@@ -18,7 +18,7 @@ import anyio
 from kvstream.dataplane.ucx import as_ucx_buffer
 
 if TYPE_CHECKING:
-    from kvstream.dataplane.memory import BlockMap, RegisteredKV
+    from kvstream.memory import BlockMap, RegisteredKV
 
 __all__ = ["RAW_TAG_BASE", "raw_receive", "raw_send"]
 

@@ -98,8 +98,8 @@ def run_demo(spec: BenchSpec, *, model: str, layer_compute_ms: float, link: str,
     ``fault="corrupt"`` flips a byte on the decode side after every transfer (what a test
     uses to see the demo fail)."""
     from kvstream.bench.runner import memcpy_gbps
-    from kvstream.planner import estimate_decode_step_s, estimate_prefill_s, plan_transfer
-    from kvstream.presets import get_gpu, get_link, get_model
+    from kvstream.tools.planner import estimate_decode_step_s, estimate_prefill_s, plan_transfer
+    from kvstream.tools.presets import get_gpu, get_link, get_model
 
     console = console or Console()
     layers = spec.layout.num_layers
@@ -186,7 +186,7 @@ def _sdk_available() -> bool:
 
 def _waterfall(trace_dir: str, request_id: str, fold: int | None = None) -> str:
     """The pipelined run's trace from both processes' span files, as text."""
-    from kvstream.tracefile import load_spans, traces, waterfall
+    from kvstream.tools.tracefile import load_spans, traces, waterfall
 
     if not trace_dir:
         return ("(install the otel extra, pip install 'kvstream[otel]', to see the transfer's "

@@ -114,7 +114,7 @@ def memcpy_gbps(spec: BenchSpec, repeat: int = 3) -> float:
     import torch
 
     from kvstream.bench.synthetic import make_cache
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.memory import RegisteredKV
 
     one = BenchSpec(layout=msgspec.structs.replace(spec.layout, num_layers=1), tokens=spec.tokens,
                     cache_blocks=spec.num_cache_blocks, seed=spec.seed, scattered=spec.scattered)
@@ -141,7 +141,7 @@ def codec_speed(spec: BenchSpec, codec: str = "fp8_e4m3", repeat: int = 3) -> Co
     import torch
 
     from kvstream.bench.synthetic import make_cache
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.memory import RegisteredKV
     from kvstream.quant.codec import LayerCodec
 
     one = BenchSpec(layout=msgspec.structs.replace(spec.layout, num_layers=1), tokens=spec.tokens,

@@ -41,7 +41,7 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
         """The prompt's prefix-chain hashes (tokens 0..n-1), as both engines compute them."""
         from kvstream.prefix import block_hashes
 
-        return block_hashes(range(self.tokens), self.layout.block_size)  # type: ignore[arg-type]
+        return block_hashes(range(self.tokens), self.layout.block_size)
 
     @property
     def hit_blocks(self) -> int:

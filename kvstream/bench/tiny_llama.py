@@ -59,7 +59,7 @@ def _config() -> Any:
     return LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                        max_position_embeddings=1024, tie_word_embeddings=True,
-                       bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+                       bos_token_id=1, eos_token_id=2, dtype="float32")
 
 
 def train(seed: int = 0, steps: int = 100) -> dict[str, Any]:

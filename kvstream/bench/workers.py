@@ -66,7 +66,7 @@ def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
                        namespace=spec.namespace)
 
 
-async def _commands(cmd_q: Any):  # type: ignore[no-untyped-def]
+async def _commands(cmd_q: Any) -> AsyncIterator[Cmd]:
     while True:
         cmd: Cmd = await anyio.to_thread.run_sync(cmd_q.get)
         if cmd.op == "stop":
@@ -79,7 +79,7 @@ def _sender_layers(spec: BenchSpec, mem: Any, src_ids: list[int]) -> Any:
     import torch
 
     from kvstream.bench.synthetic import fill_layer
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.memory import RegisteredKV
 
     src_map = mem.block_map(src_ids)
     expect_layer = torch.empty_like(mem.layers[0])
@@ -130,7 +130,7 @@ def _tracing(spec: BenchSpec, role: str) -> Any:
     if not spec.trace_dir:
         yield
         return
-    from kvstream.otel import configure
+    from kvstream.tools.otel import configure
 
     shutdown = configure(f"kvstream-bench-{role}",
                          span_file=os.path.join(spec.trace_dir, f"{role}.jsonl"), otlp=False)
@@ -177,7 +177,7 @@ class _Side:
 async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_Side]:
     """``target`` is a NATS URL (agent in this process) or ``unix:<socket>`` (a sidecar)."""
     from kvstream.client import Client
-    from kvstream.dataplane.memory import RegisteredKV
+    from kvstream.memory import RegisteredKV
 
     if target.startswith("unix:"):
         import torch
@@ -195,7 +195,7 @@ async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_
             await client.register_kv(spec.layout, shared)
             yield _Side(client, RegisteredKV(spec.layout, shared.layers))
         return
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
 
     cache = make_cache(spec, fill=role == "prefill")
     async with Agent(_config(f"bench-{role}", target, role, spec), layout=spec.layout,

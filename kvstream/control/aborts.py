@@ -17,14 +17,14 @@ from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 
 if TYPE_CHECKING:
-    from kvstream.control.bus import ControlBus
+    from kvstream.control.port import ControlPort
 
 __all__ = ["release_offer", "request_abort"]
 
 log = logging.getLogger("kvstream.control")
 
 
-async def request_abort(bus: ControlBus, subjects: Subjects, peer: str, *, reason: str, by: str,
+async def request_abort(bus: ControlPort, subjects: Subjects, peer: str, *, reason: str, by: str,
                         timeout: float, transfer_id: str = "", request_id: str = "") -> bool:
     """Send an ``Abort`` to ``peer``'s control subject and wait (at most ``timeout``) for its
     ``AbortAck``, which it sends once nothing of that transfer is in flight there.
@@ -42,7 +42,7 @@ async def request_abort(bus: ControlBus, subjects: Subjects, peer: str, *, reaso
     return isinstance(reply, m.AbortAck)
 
 
-async def release_offer(bus: ControlBus, namespace: str, src_instance: str, request_id: str,
+async def release_offer(bus: ControlPort, namespace: str, src_instance: str, request_id: str,
                         reason: str, *, by: str = "kvstream", timeout: float = 2.0) -> bool:
     """Tell ``src_instance`` to drop the offer it holds for ``request_id`` at once.
 

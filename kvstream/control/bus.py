@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import nats
@@ -64,10 +64,12 @@ class ControlBus:
             with anyio.fail_after(timeout):
                 # nats-py keeps retrying an unreachable server when reconnects are allowed;
                 # on_error stops the first connection once every server has failed.
+                # Both times are seconds that nats-py hands to asyncio.wait_for/sleep, so
+                # fractions work; its annotations say int (hence the casts).
                 await nc.connect(servers=[u.strip() for u in url.split(",") if u.strip()],
-                                 name=name, connect_timeout=min(timeout, 2.0),
+                                 name=name, connect_timeout=cast(int, min(timeout, 2.0)),
                                  allow_reconnect=True, max_reconnect_attempts=-1,
-                                 reconnect_time_wait=0.2, error_cb=on_error)
+                                 reconnect_time_wait=cast(int, 0.2), error_cb=on_error)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 await nc.close()

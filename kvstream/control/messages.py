@@ -63,7 +63,7 @@ class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     v: int = PROTOCOL_VERSION
 
 
-class Announce(ControlMessage, tag="kv.announce"):
+class Announce(ControlMessage, tag="kv.announce", frozen=True):
     """Periodic registry entry and heartbeat of one instance."""
 
     instance_id: str
@@ -78,13 +78,13 @@ class Announce(ControlMessage, tag="kv.announce"):
     endpoint: str = ""
 
 
-class Leave(ControlMessage, tag="kv.leave"):
+class Leave(ControlMessage, tag="kv.leave", frozen=True):
     """Sent once by an instance that shuts down cleanly; peers fail its transfers now."""
 
     instance_id: str
 
 
-class Manifest(ControlMessage, tag="kv.manifest"):
+class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     """The source's description of a transfer: a push offer, or the answer to a ``Pull``.
 
     ``src_blocks[i]`` lands in ``dst_blocks[i]`` in every layer, except the indices in
@@ -116,7 +116,7 @@ class Manifest(ControlMessage, tag="kv.manifest"):
     cache_scales: list[float] = []
 
 
-class Accept(ControlMessage, tag="kv.accept"):
+class Accept(ControlMessage, tag="kv.accept", frozen=True):
     """The destination reserved receive state; ``dst_tag`` prefixes its data-plane tags."""
 
     transfer_id: str
@@ -127,7 +127,7 @@ class Accept(ControlMessage, tag="kv.accept"):
     skip: list[int] = []
 
 
-class Pull(ControlMessage, tag="kv.pull"):
+class Pull(ControlMessage, tag="kv.pull", frozen=True):
     """The destination asks the source for ``request_id``'s KV (held under a lease).
 
     The answer is a ``Manifest`` (with ``skip`` worked out from ``have``) or a ``Reject``.
@@ -150,27 +150,27 @@ class Pull(ControlMessage, tag="kv.pull"):
     wire_fingerprint: str = ""
 
 
-class Renew(ControlMessage, tag="kv.renew"):
+class Renew(ControlMessage, tag="kv.renew", frozen=True):
     """Keep holding these for me: one message per peer per renewal period, not per block."""
 
     by: str
     request_ids: list[str]
 
 
-class RenewAck(ControlMessage, tag="kv.renew_ack"):
+class RenewAck(ControlMessage, tag="kv.renew_ack", frozen=True):
     """``unknown``: ids the source no longer holds (expired, aborted or never offered)."""
 
     unknown: list[str] = []
     lease_s: float = 0.0  # the shortest lease among the renewed ones
 
 
-class Reject(ControlMessage, tag="kv.reject"):
+class Reject(ControlMessage, tag="kv.reject", frozen=True):
     transfer_id: str
     code: RejectCode
     reason: str
 
 
-class Done(ControlMessage, tag="kv.done"):
+class Done(ControlMessage, tag="kv.done", frozen=True):
     """Terminal outcome as one side saw it, sent to the other side once."""
 
     transfer_id: str
@@ -182,7 +182,7 @@ class Done(ControlMessage, tag="kv.done"):
     bytes_skipped: int = 0
 
 
-class Abort(ControlMessage, tag="kv.abort"):
+class Abort(ControlMessage, tag="kv.abort", frozen=True):
     """Stop the transfer; the receiver answers with AbortAck once nothing is in flight."""
 
     transfer_id: str
@@ -191,7 +191,7 @@ class Abort(ControlMessage, tag="kv.abort"):
     by: str
 
 
-class AbortAck(ControlMessage, tag="kv.abort_ack"):
+class AbortAck(ControlMessage, tag="kv.abort_ack", frozen=True):
     transfer_id: str
 
 

@@ -1,7 +1,1 @@
-"""Data plane on UCX: the worker boundary, registered memory, staging, wire framing."""
-
-from kvstream.dataplane.memory import RegisteredKV as RegisteredKV
-from kvstream.dataplane.staging import StagingPool as StagingPool
-from kvstream.dataplane.ucx import UcxWorker as UcxWorker
-
-__all__ = ("RegisteredKV", "StagingPool", "UcxWorker")
+"""Data plane: the two stream halves, the ``Transport`` seam (UCX, loopback), staging, framing."""

@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Final
+from typing import Any
 
 from kvstream._exceptions import ConfigError, DataPlaneError
+from kvstream.config import PROGRESS_MODES
 
 __all__ = ["PROGRESS_MODES", "PostedRecv", "UcxWorker", "as_ucx_buffer"]
 
 log = logging.getLogger("kvstream.dataplane")
 
-PROGRESS_MODES: Final = ("thread", "blocking", "polling")
 
 # UCX prints warnings for every UCX_* variable it does not use; ucxx warns when its
 # futures pool runs dry, which is harmless. Both before ucxx is imported.

@@ -31,7 +31,7 @@ from kvstream.quant.scheme import (
 if TYPE_CHECKING:
     import torch
 
-    from kvstream.dataplane.memory import BlockMap, RegisteredKV
+    from kvstream.memory import BlockMap, RegisteredKV
     from kvstream.quant.cpu import CpuKernel
 
 __all__ = ["LayerCodec", "make_codec", "prepare"]

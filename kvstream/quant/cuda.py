@@ -21,7 +21,7 @@ from kvstream._exceptions import QuantizationError
 if TYPE_CHECKING:
     import torch
 
-    from kvstream.dataplane.memory import BlockMap
+    from kvstream.memory import BlockMap
     from kvstream.quant.scheme import Geometry
 
 __all__ = ["KERNEL_NAMES", "CudaBackend", "Kernels", "load", "source_path"]

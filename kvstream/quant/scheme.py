@@ -35,6 +35,7 @@ import hashlib
 from typing import Final
 
 from kvstream._exceptions import ConfigError
+from kvstream.layout import FP8_DTYPES as LAYOUT_FP8_DTYPES
 from kvstream.layout import KVLayout
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
 CODECS: Final = ("none", "fp8_e4m3", "int8")
 E4M3_MAX: Final = 448.0
 # An engine whose cache already holds one of these sends it as-is (codec "none").
-FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
+FP8_DTYPES: Final = LAYOUT_FP8_DTYPES  # the layout's; re-exported here for codec code
 # What the 8-bit codecs encode from and decode into; anything else moves verbatim.
 CODEC_DTYPES: Final = frozenset({"float16", "bfloat16", "float32"})
 # Names each codec's scale layout in the compatibility hash: change it when it changes.

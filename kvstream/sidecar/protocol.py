@@ -9,8 +9,9 @@ per-layer hot path.
 from __future__ import annotations
 
 import struct
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
+import anyio
 import msgspec
 
 from kvstream._exceptions import FieldValue, MessageDecodeError
@@ -50,12 +51,12 @@ class LocalMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     id: int = 0
 
 
-class Hello(LocalMessage, tag="hello"):
+class Hello(LocalMessage, tag="hello", frozen=True):
     pid: int
     version: int = 1
 
 
-class RegisterKV(LocalMessage, tag="register_kv"):
+class RegisterKV(LocalMessage, tag="register_kv", frozen=True):
     """Host KV in shared memory by name; device KV through CUDA IPC handles (``cuda``,
     one per layer, with ``layout``)."""
 
@@ -65,13 +66,13 @@ class RegisterKV(LocalMessage, tag="register_kv"):
     cache_scales: list[float] | None = None  # an FP8 cache's (k, v) scales
 
 
-class Expect(LocalMessage, tag="expect"):
+class Expect(LocalMessage, tag="expect", frozen=True):
     request_id: str
     blocks: list[int]
     have: list[int] = []
 
 
-class Push(LocalMessage, tag="push"):
+class Push(LocalMessage, tag="push", frozen=True):
     request_id: str
     dst: str
     src_blocks: list[int]
@@ -83,7 +84,7 @@ class Push(LocalMessage, tag="push"):
     timeout: float | None = None  # None: the agent's transfer_timeout_s
 
 
-class Offer(LocalMessage, tag="offer"):
+class Offer(LocalMessage, tag="offer", frozen=True):
     request_id: str
     src_blocks: list[int]
     block_hashes: list[int] = []
@@ -91,7 +92,7 @@ class Offer(LocalMessage, tag="offer"):
     lease_s: float | None = None
 
 
-class Pull(LocalMessage, tag="pull"):
+class Pull(LocalMessage, tag="pull", frozen=True):
     request_id: str
     src: str
     dst_blocks: list[int]
@@ -103,46 +104,46 @@ class Pull(LocalMessage, tag="pull"):
     timeout: float | None = None
 
 
-class Fetch(LocalMessage, tag="fetch"):
+class Fetch(LocalMessage, tag="fetch", frozen=True):
     """Lazy pull: bring layers up to ``layer`` (no reply, like ``LayerReady``)."""
 
     handle: int
     layer: int
 
 
-class LayerReady(LocalMessage, tag="layer_ready"):
+class LayerReady(LocalMessage, tag="layer_ready", frozen=True):
     handle: int
     layer: int
 
 
-class Abort(LocalMessage, tag="abort"):
+class Abort(LocalMessage, tag="abort", frozen=True):
     handle: int
     reason: str
 
 
-class Stats(LocalMessage, tag="stats"):
+class Stats(LocalMessage, tag="stats", frozen=True):
     pass
 
 
-class Ok(LocalMessage, tag="ok"):
+class Ok(LocalMessage, tag="ok", frozen=True):
     handle: int = 0
     num_layers: int = 0
     stats: dict[str, int] = {}
     instance_id: str = ""
 
 
-class Error(LocalMessage, tag="error"):
+class Error(LocalMessage, tag="error", frozen=True):
     kind: str
     message: str
     fields: dict[str, FieldValue] = {}  # the error's structured fields (KVStreamError.fields)
 
 
-class LayerLanded(LocalMessage, tag="layer_landed"):
+class LayerLanded(LocalMessage, tag="layer_landed", frozen=True):
     handle: int
     layer: int
 
 
-class Finished(LocalMessage, tag="finished"):
+class Finished(LocalMessage, tag="finished", frozen=True):
     handle: int
     result: TransferResult
 
@@ -175,3 +176,22 @@ def decode(data: bytes) -> LocalUnion:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MessageDecodeError(f"malformed local message: {exc}") from exc
+
+
+async def read_frame(stream: Any) -> LocalUnion | None:
+    """One message from the stream; None at a clean end of stream."""
+    try:
+        prefix = await _read_exact(stream, 4)
+    except anyio.EndOfStream:
+        return None
+    body = await _read_exact(stream, frame_length(prefix))
+    return decode(body)
+
+
+async def _read_exact(stream: Any, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = await stream.receive(n - got)
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

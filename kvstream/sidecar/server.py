@@ -20,38 +20,20 @@ import anyio.abc
 
 from kvstream import telemetry
 from kvstream._exceptions import ConfigError, KVStreamError, LayoutError, MessageDecodeError
-from kvstream.agent import Agent
 from kvstream.config import AgentConfig
-from kvstream.handles import ReceiveHandle, SendHandle
+from kvstream.engine.agent import Agent
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
+from kvstream.sidecar.protocol import read_frame
+from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 if TYPE_CHECKING:
     from anyio.abc import SocketStream
 
-__all__ = ["Sidecar", "read_frame"]
+__all__ = ["Sidecar", "read_frame"]  # read_frame: re-exported from the protocol
 
 log = logging.getLogger("kvstream.sidecar")
-
-
-async def read_frame(stream: Any) -> lp.LocalUnion | None:
-    """One message from the stream; None at a clean end of stream."""
-    try:
-        prefix = await _read_exact(stream, 4)
-    except anyio.EndOfStream:
-        return None
-    body = await _read_exact(stream, lp.frame_length(prefix))
-    return lp.decode(body)
-
-
-async def _read_exact(stream: Any, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = await stream.receive(n - got)
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 class _Session:

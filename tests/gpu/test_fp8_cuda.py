@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvstream._exceptions import QuantizationError
-from kvstream.dataplane.memory import RegisteredKV
 from kvstream.layout import KVLayout
+from kvstream.memory import RegisteredKV
 from kvstream.quant.codec import LayerCodec
 
 pytestmark = [pytest.mark.gpu]

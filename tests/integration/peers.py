@@ -20,7 +20,7 @@ def _cfg(instance_id: str, nats_url: str) -> Any:
 def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
                 q: Any) -> None:
     """Reserve ``blocks`` for ``request_id``, report, and wait for the transfer."""
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
@@ -40,7 +40,7 @@ def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list
 def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
                  blocks: list[int], ready_layers: int, q: Any) -> None:
     """Push to ``dst``, mark only ``ready_layers`` layers ready, then hang (to be killed)."""
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
@@ -62,7 +62,7 @@ def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
 def offering_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
                   ready_layers: int, q: Any) -> None:
     """Offer ``blocks`` for a pull, mark only ``ready_layers`` layers ready, then hang."""
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
@@ -84,7 +84,7 @@ def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q
     import random
 
     from kvstream import KVStreamError
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
@@ -116,7 +116,7 @@ def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q
 
 def keeping_peer(nats_url: str, request_id: str, src: str, q: Any) -> None:
     """Keep a lease on ``request_id`` at ``src``, then hang (to be killed)."""
-    from kvstream.agent import Agent
+    from kvstream.engine.agent import Agent
 
     async def main() -> None:
         async with Agent(_cfg("peer-keeper", nats_url)) as agent:

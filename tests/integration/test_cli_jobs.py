@@ -13,7 +13,7 @@ BENCH_KEYS = {"verified", "kvstream_gbps", "ucx_gbps", "ratio", "exposed_ms_pipe
 
 
 def _kvstream(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstream.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstream.tools.cli", *args], capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 

@@ -144,7 +144,7 @@ async def test_agent_start_fails_with_the_cause() -> None:
 def test_cli_says_it_in_one_line() -> None:
     url = _refused_url()
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "kvstream.cli", "demo", "--nats-url", url],
+    out = subprocess.run([sys.executable, "-m", "kvstream.tools.cli", "demo", "--nats-url", url],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()

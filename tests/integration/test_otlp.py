@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     import anyio, torch
     from opentelemetry import metrics, trace
     from kvstream import Agent, AgentConfig, KVLayout
-    from kvstream.otel import configure
+    from kvstream.tools.otel import configure
 
     shutdown = configure("otlp-test")  # OTLP, from the OTEL_* environment
 

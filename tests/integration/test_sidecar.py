@@ -26,7 +26,7 @@ pytestmark = pytest.mark.anyio
 def start_sidecar(tmp_path, nats_server, instance_id: str, *extra: str) -> tuple[subprocess.Popen, str]:
     sock = str(tmp_path / f"{instance_id}.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstream.cli", "sidecar", "--instance-id", instance_id,
+        [sys.executable, "-m", "kvstream.tools.cli", "sidecar", "--instance-id", instance_id,
          "--socket", sock, "--nats-url", nats_server.url, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

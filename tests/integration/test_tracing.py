@@ -9,7 +9,7 @@ import pytest
 from kvstream import KVLayout
 from kvstream.bench.runner import Harness
 from kvstream.bench.synthetic import BenchSpec
-from kvstream.tracefile import load_spans, traces, waterfall
+from kvstream.tools.tracefile import load_spans, traces, waterfall
 
 LAYERS = 6
 
@@ -74,7 +74,7 @@ def test_trace_command_draws_the_transfer(tmp_path, nats_server):
 
     _spans(tmp_path, nats_server, "push-eager")
     files = [str(tmp_path / "prefill.jsonl"), str(tmp_path / "decode.jsonl")]
-    out = subprocess.run([sys.executable, "-m", "kvstream.cli", "trace", *files],
+    out = subprocess.run([sys.executable, "-m", "kvstream.tools.cli", "trace", *files],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("trace 0x") == 1
@@ -82,7 +82,7 @@ def test_trace_command_draws_the_transfer(tmp_path, nats_server):
         assert row in out.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    out = subprocess.run([sys.executable, "-m", "kvstream.cli", "trace", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "kvstream.tools.cli", "trace", str(bad)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode != 0 and "not a span" in out.stderr
 
@@ -92,7 +92,7 @@ import sys
 import anyio
 from opentelemetry import trace
 from kvstream import AgentConfig, Client, KVLayout, SharedKV, Sidecar
-from kvstream.otel import configure
+from kvstream.tools.otel import configure
 
 shutdown = configure("sidecar-trace", span_file=sys.argv[2], otlp=False)
 

@@ -1,4 +1,4 @@
-"""kvstream.quant.accuracy: the 8-bit codecs against their documented bounds and on attention."""
+"""kvstream.bench.accuracy: the 8-bit codecs against their documented bounds and on attention."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from kvstream._exceptions import ConfigError
-from kvstream.layout import KVLayout
-from kvstream.quant import accuracy
-from kvstream.quant.accuracy import (
+from kvstream.bench import accuracy
+from kvstream.bench.accuracy import (
     AccuracyReport,
     format_report,
     measure,
     random_with_outliers,
     tiny_llama_kv,
 )
+from kvstream.layout import KVLayout
 from kvstream.quant.scheme import wire_layer_bytes
 
 BENCH = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)

@@ -30,6 +30,19 @@ def test_both_clients_match_the_protocol(client: type, name: str) -> None:
     assert _params(getattr(client, name)) == _params(getattr(TransferClient, name)), name
 
 
+def _arguments(fn) -> dict[str, tuple[object, object]]:
+    return {p.name: (p.kind, p.default) for p in inspect.signature(fn).parameters.values()}
+
+
+@pytest.mark.parametrize("name", ["expect", "push", "offer", "pull"])
+def test_the_agent_takes_the_same_arguments(name: str) -> None:
+    """``Agent`` has the transfer calls too (``expect``/``offer`` plain, they do no I/O):
+    the same names, kinds and defaults, so code moves between the two unchanged."""
+    from kvstream import Agent
+
+    assert _arguments(getattr(Agent, name)) == _arguments(getattr(TransferClient, name)), name
+
+
 def test_a_changed_signature_is_caught() -> None:
     async def push(self, request_id: str, dst: str, src_blocks, *, mode: str = "eager"): ...
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from kvstream._exceptions import QuantizationError
-from kvstream.dataplane.memory import RegisteredKV
 from kvstream.layout import KVLayout
+from kvstream.memory import RegisteredKV
 from kvstream.quant import cuda, reference
 from kvstream.quant.codec import LayerCodec
 from kvstream.quant.cpu import cache_dir

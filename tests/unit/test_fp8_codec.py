@@ -7,7 +7,7 @@ import torch
 
 from kvstream import AgentConfig, ConfigError, KVLayout
 from kvstream._exceptions import QuantizationError
-from kvstream.dataplane.memory import RegisteredKV
+from kvstream.memory import RegisteredKV
 from kvstream.quant import cpu, reference
 from kvstream.quant.codec import LayerCodec, _CpuBackend
 from kvstream.quant.scheme import (

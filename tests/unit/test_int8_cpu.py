@@ -8,7 +8,7 @@ import torch
 
 from kvstream import KVLayout
 from kvstream._exceptions import QuantizationError
-from kvstream.dataplane.memory import RegisteredKV
+from kvstream.memory import RegisteredKV
 from kvstream.quant import cpu, reference
 from kvstream.quant.codec import LayerCodec
 from kvstream.quant.cpu import DTYPE_CODES

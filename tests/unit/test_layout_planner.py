@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvstream import ConfigError, KVLayout
-from kvstream.planner import plan_transfer, verdict_for
-from kvstream.presets import LINKS, MODELS, get_link, get_model
+from kvstream.tools.planner import plan_transfer, verdict_for
+from kvstream.tools.presets import LINKS, MODELS, get_link, get_model
 
 
 def test_llama2_70b_reference_points():

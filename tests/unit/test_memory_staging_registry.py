@@ -7,8 +7,8 @@ import torch
 from kvstream import InvalidBlockError, LayoutError, TransferTimeout
 from kvstream.control.messages import Announce
 from kvstream.control.registry import Registry
-from kvstream.dataplane.memory import RegisteredKV
 from kvstream.dataplane.staging import StagingPool
+from kvstream.memory import RegisteredKV
 from tests.fakes import FakeClock, cache, small_layout
 
 ARRANGEMENTS = ["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla"]

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from kvstream import AgentConfig, ConfigError
-from kvstream.cli import main
 from kvstream.control import messages as m
-from kvstream.routing import Directory, Instance, pick
+from kvstream.proxy.routing import Directory, Instance, pick
+from kvstream.tools.cli import main
 from tests.fakes import FakeClock
 
 

@@ -8,7 +8,7 @@ import types
 import pytest
 
 import kvstream
-from kvstream.cli import main
+from kvstream.tools.cli import main
 
 
 def test_all_names_the_public_surface():
@@ -62,7 +62,7 @@ def test_help_reads_whole():
     text (click cuts a longer one with '...'; reST markup would show as backticks)."""
     from click.testing import CliRunner
 
-    from kvstream.cli import app
+    from kvstream.tools.cli import app
 
     out = CliRunner().invoke(app, ["--help"], terminal_width=80)
     assert out.exit_code == 0
@@ -79,7 +79,7 @@ def test_log_records_are_one_line_each():
     import io
     import logging
 
-    from kvstream.cli import LOG_FORMAT, OneLineFormatter
+    from kvstream.tools.cli import LOG_FORMAT, OneLineFormatter
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstream import otel, telemetry
-from kvstream.tracefile import traces, waterfall
+from kvstream import telemetry
+from kvstream.tools import otel
+from kvstream.tools.tracefile import traces, waterfall
 from kvstream.transfer import Side, Transfer, TransferState
 
 
@@ -125,7 +126,7 @@ def test_waterfall_rows_stay_in_their_frame_and_every_layer_has_its_wait_row():
 
 
 def test_exposed_is_last_layer_ready_to_last_byte():
-    from kvstream.tracefile import exposed_ns
+    from kvstream.tools.tracefile import exposed_ns
 
     spans = _push_trace(4)
     assert exposed_ns(spans) == 40_000_000  # receive ends at 100 ms, ready at 60 ms

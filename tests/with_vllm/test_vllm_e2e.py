@@ -125,7 +125,7 @@ def test_decode_tokens_equal_colocated_and_prompt_kv_is_loaded(cluster):
 def test_one_trace_per_transfer_across_both_engines(cluster):
     """Each worker writes its spans (trace_file); a pull's trace holds the decode side's
     ``kvstream.pull`` and the prefill side's ``kvstream.serve_pull``, joined by traceparent."""
-    from kvstream.tracefile import load_spans
+    from kvstream.tools.tracefile import load_spans
 
     p = E.prompt(50, 5)
     kv = prefill(cluster["prefill"], [p])[0]

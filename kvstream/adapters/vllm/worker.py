@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvstream import otel
 from kvstream._exceptions import AdapterError, ConfigError, KVStreamError
 from kvstream.adapters.vllm.common import KVStreamMetadata, Side, log
 from kvstream.config import AgentConfig
 from kvstream.layout import KVLayout
+from kvstream.tools import otel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvstream.adapters.runtime import AgentRuntime
-    from kvstream.handles import ReceiveHandle, SendHandle
     from kvstream.transfer import TransferResult
+    from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 __all__ = ["WorkerSide", "layout_of_vllm_caches"]
 
@@ -176,9 +176,9 @@ class WorkerSide(Side):
             self._offers[rid] = handle
             rt.spawn(self._watch_offer, rid, handle)
         for rid in meta.abort_offer:
-            handle = self._offers.get(rid)
-            if handle is not None:
-                rt.spawn(handle.abort, "the prefill request did not finish normally")
+            offered = self._offers.get(rid)
+            if offered is not None:
+                rt.spawn(offered.abort, "the prefill request did not finish normally")
 
     # -- on the agent's loop --------------------------------------------------------------
     def _offer(self, rid: str, blocks: list[int], hashes: list[int]) -> SendHandle:

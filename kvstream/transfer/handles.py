@@ -20,10 +20,10 @@ from kvstream._exceptions import (
     TransferError,
     TransferTimeout,
 )
-from kvstream.transfer import Transfer, TransferResult, TransferState
+from kvstream.transfer.state import Transfer, TransferResult, TransferState
 
 if TYPE_CHECKING:
-    from kvstream.dataplane.memory import BlockMap
+    from kvstream.memory import BlockMap
 
 __all__ = ["ReceiveHandle", "SendHandle", "error_for"]
 

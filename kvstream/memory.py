@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvstream._exceptions import InvalidBlockError, LayoutError
-from kvstream.layout import KVLayout
+from kvstream.layout import FP8_DTYPES, KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -71,8 +71,6 @@ async def run_copy(fn: Callable[..., None], *args: Any) -> None:
 
 def _check_scales(layout: KVLayout, scales: Sequence[float] | None) -> list[float]:
     """An FP8 cache's (k_scale, v_scale) per layer, or one pair for all layers."""
-    from kvstream.quant.scheme import FP8_DTYPES
-
     if scales is None:
         return []
     values = [float(x) for x in scales]
@@ -152,25 +150,6 @@ class RegisteredKV:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes * self.layout.num_layers
-
-    def layout_mismatch(self, fingerprint: str, num_layers: int, codec: str = "none",
-                        cache_scales: Sequence[float] | None = None) -> str | None:
-        """Why a peer's KV, sent with ``codec``, cannot land here (None: it can).
-        ``cache_scales``: the peer's FP8 cache scales, checked when given."""
-        from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint
-
-        if codec not in CODECS:
-            return f"unknown codec {codec!r} (this side knows {', '.join(CODECS)})"
-        if codec != "none" and self.layout.dtype not in CODEC_DTYPES:
-            return f"codec {codec} cannot land in this {self.layout.dtype} cache"
-        mine = wire_fingerprint(self.layout, codec)
-        if fingerprint != mine or num_layers != self.layout.num_layers:
-            return (f"{'layout' if codec == 'none' else codec} fingerprint {fingerprint} != "
-                    f"{mine} ({self.layout.describe()})")
-        if codec == "none" and cache_scales is not None and list(cache_scales) != self.cache_scales:
-            return (f"FP8 cache scales differ: the peer's {list(cache_scales)[:4]}..., "
-                    f"this cache's {self.cache_scales[:4]}...; the bytes would mean other values")
-        return None
 
     def block_map(self, ids: Sequence[int], *, what: str = "block") -> BlockMap:
         """Validate ids against this memory; raises ``InvalidBlockError`` naming the bad ones."""

@@ -15,7 +15,7 @@ import msgspec
 
 from kvstream._exceptions import ConfigError
 from kvstream.layout import KVLayout
-from kvstream.presets import GPUSpec, ModelSpec
+from kvstream.tools.presets import GPUSpec, ModelSpec
 
 __all__ = ["CODEC_RATIO", "Plan", "estimate_decode_step_s", "estimate_prefill_s", "plan_transfer"]
 

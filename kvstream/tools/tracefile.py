@@ -1,4 +1,4 @@
-"""Read a JSON-lines span file (``kvstream.otel``) and draw a transfer as a text waterfall.
+"""Read a JSON-lines span file (``kvstream.tools.otel``) and draw a transfer as a text waterfall.
 
 For a look at where a transfer's time went without a tracing backend: one row per
 transfer span and per layer span of both sides, on a shared time axis (the processes

@@ -1,7 +1,7 @@
 """The transfer lifecycle as pure, synchronous bookkeeping.
 
-No I/O and no awaiting here: the async layer (``handles``, ``sender``,
-``receiver``) performs the I/O and reports events. What this module
+No I/O and no awaiting here: the async layer (``handles``, the data plane's
+streams) performs the I/O and reports events. What this module
 guarantees, and tests check directly: a transfer reaches exactly one terminal
 state, the first report wins, and the release hooks run exactly once.
 """
@@ -20,10 +20,17 @@ from kvstream import telemetry
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-__all__ = ["TERMINAL", "Side", "Transfer", "TransferResult", "TransferState"]
+__all__ = ["TERMINAL", "EndCause", "Side", "Transfer", "TransferResult", "TransferState"]
 
 
-class TransferState(enum.Enum):
+class _Named(str, enum.Enum):
+    """A string enum: equal to its value, printed as its value, encoded by msgspec as it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class TransferState(_Named):
     NEGOTIATING = "negotiating"
     STREAMING = "streaming"
     COMPLETED = "completed"
@@ -39,9 +46,30 @@ TERMINAL: Final = frozenset(
 )
 
 
-class Side(enum.Enum):
+class Side(_Named):
     SEND = "send"
     RECV = "recv"
+
+
+class EndCause(_Named):
+    """Why a transfer ended, as a value a program can branch on (``reason`` is for people)."""
+
+    COMPLETED = "completed"
+    ENGINE_ABORT = "engine_abort"  # this side's engine aborted it
+    PEER_ABORT = "peer_abort"  # the peer (or an operator, e.g. the proxy) ended it
+    PEER_LOST = "peer_lost"  # the peer died or went silent
+    DEADLINE = "deadline"  # not done (or not claimed, or never offered) in time
+    LEASE_EXPIRED = "lease_expired"  # an offer nobody renewed
+    REFUSED = "refused"  # the peer refused it before any byte moved
+    SHUTDOWN = "shutdown"  # this agent closed or its KV memory was unregistered
+    ERROR = "error"  # a data-plane, protocol or local error
+
+    @classmethod
+    def of(cls, state: TransferState, reason: str = "") -> EndCause:
+        """The cause a terminal state implies when the ender named none."""
+        if state is TransferState.FAILED and reason.startswith("peer lost"):
+            return cls.PEER_LOST
+        return _CAUSE_OF[state]
 
 
 class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,9 +77,9 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
 
     transfer_id: str
     request_id: str
-    side: str
+    side: Side
     peer: str
-    status: str
+    status: TransferState
     reason: str
     bytes: int
     layers: int
@@ -59,6 +87,7 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float
     bytes_skipped: int = 0  # already at the destination (incremental)
     codec: str = "none"  # how the bytes travelled; ``bytes`` counts wire bytes
+    cause: EndCause = EndCause.COMPLETED  # why it ended (meaningful once it has)
 
     @property
     def seconds(self) -> float:
@@ -66,7 +95,7 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        return self.status == TransferState.COMPLETED.value
+        return self.status == TransferState.COMPLETED
 
 
 class Transfer:
@@ -85,6 +114,7 @@ class Transfer:
         self._clock = clock
         self.state = TransferState.NEGOTIATING
         self.reason = ""
+        self.cause = EndCause.COMPLETED
         self.started_at = clock()
         self.ended_at: float | None = None
         self.layers_done = [False] * num_layers
@@ -133,7 +163,7 @@ class Transfer:
     def all_layers_done(self) -> bool:
         return self.done_count == self.num_layers
 
-    def finish(self, state: TransferState, reason: str = "") -> bool:
+    def finish(self, state: TransferState, reason: str = "", cause: EndCause | None = None) -> bool:
         """Enter a terminal state; only the first call counts and runs the release hooks."""
         if state not in TERMINAL:
             raise ValueError(f"{state} is not terminal")
@@ -141,6 +171,7 @@ class Transfer:
             return False
         self.state = state
         self.reason = reason
+        self.cause = cause or EndCause.of(state, reason)
         self.ended_at = self._clock()
         hooks, self._release = self._release, []
         for hook in hooks:
@@ -152,9 +183,9 @@ class Transfer:
         return TransferResult(
             transfer_id=self.transfer_id,
             request_id=self.request_id,
-            side=self.side.value,
+            side=self.side,
             peer=self.peer,
-            status=self.state.value,
+            status=self.state,
             reason=self.reason,
             bytes=self.bytes_done,
             layers=self.done_count,
@@ -162,4 +193,14 @@ class Transfer:
             ended_at=self.ended_at if self.ended_at is not None else self._clock(),
             bytes_skipped=self.bytes_skipped,
             codec=self.codec,
+            cause=self.cause,
         )
+
+
+_CAUSE_OF: Final = {
+    TransferState.COMPLETED: EndCause.COMPLETED, TransferState.FAILED: EndCause.ERROR,
+    TransferState.ABORTED: EndCause.ENGINE_ABORT, TransferState.TIMED_OUT: EndCause.DEADLINE,
+    TransferState.EXPIRED: EndCause.LEASE_EXPIRED,
+    # not terminal; a result read before the end says "completed" only as a placeholder
+    TransferState.NEGOTIATING: EndCause.COMPLETED, TransferState.STREAMING: EndCause.COMPLETED,
+}

@@ -9,7 +9,8 @@ BF16 tensor FLOP/s and HBM bandwidth from the vendors' data sheets.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -104,7 +105,10 @@ GPUS: Final[dict[str, GPUSpec]] = {
 }
 
 
-def _lookup(table: dict[str, msgspec.Struct], kind: str, name: str):  # type: ignore[no-untyped-def]
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _lookup(table: Mapping[str, S], kind: str, name: str) -> S:
     try:
         return table[name.lower()]
     except KeyError:
@@ -112,12 +116,12 @@ def _lookup(table: dict[str, msgspec.Struct], kind: str, name: str):  # type: ig
 
 
 def get_model(name: str) -> ModelSpec:
-    return _lookup(MODELS, "model", name)  # type: ignore[arg-type,no-any-return]
+    return _lookup(MODELS, "model", name)
 
 
 def get_link(name: str) -> LinkSpec:
-    return _lookup(LINKS, "link", name)  # type: ignore[arg-type,no-any-return]
+    return _lookup(LINKS, "link", name)
 
 
 def get_gpu(name: str) -> GPUSpec:
-    return _lookup(GPUS, "gpu", name)  # type: ignore[arg-type,no-any-return]
+    return _lookup(GPUS, "gpu", name)

@@ -1,0 +1,287 @@
+"""The receive half of a transfer on the data plane: post, credit, land, scatter.
+
+With a codec the scatter is dequantize + scatter on the copy threads, so decoding layer L
+overlaps receiving L+1. A push that arrived before its reservation lands in staging and
+moves into blocks on ``claim``. The flow and ending rules are in ``dataplane.stream``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from kvstream import telemetry
+from kvstream._exceptions import KVStreamError, ProtocolError
+from kvstream.dataplane import wire
+from kvstream.dataplane.stream import Stream, StreamEnv, single_message_for
+from kvstream.memory import run_copy
+from kvstream.quant.codec import make_codec
+from kvstream.quant.scheme import wire_layer_bytes
+from kvstream.transfer.state import TransferState
+
+if TYPE_CHECKING:
+    import torch
+    from opentelemetry.trace import Span
+
+    from kvstream.dataplane.transport import PostedReceive
+    from kvstream.memory import BlockMap
+    from kvstream.transfer.handles import ReceiveHandle
+
+__all__ = ["RecvStream"]
+
+log = logging.getLogger("kvstream.transfer")
+
+
+class RecvStream(Stream):
+    """Receive half. Lands layers in the reserved blocks, or, for a push that arrived before
+    the reservation (``staged_slots``), keeps them in staging until ``claim``."""
+
+    def __init__(self, env: StreamEnv, handle: ReceiveHandle, *, peer_address: bytes,
+                 src_tag: int, dst_tag: int, src_contiguous: bool, nblocks: int,
+                 staged_slots: dict[int, torch.Tensor] | None = None) -> None:
+        super().__init__(env, handle.transfer, peer_address)
+        self.handle = handle
+        self.src_tag = src_tag
+        self.dst_tag = dst_tag
+        self.nblocks = nblocks
+        t = handle.transfer
+        self.codec = make_codec(env.memory, t.codec)
+        self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, nblocks)
+        dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
+        self.single = single_message_for(env.memory, src_contiguous, dst_run, t.codec)
+        self._posted: dict[int, list[PostedReceive]] = {}
+        self._posted_ns: dict[int, int] = {}  # when each layer's receive was posted (traces)
+        self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
+        self.prestaged = staged_slots is not None
+        self._staged: set[int] = set()  # layers received into staging, not yet in blocks
+        self.received = 0
+        self._done_sent = False
+        self._lands: anyio.abc.TaskGroup | None = None
+        # Told once every byte is here (the peer's death no longer matters to this one).
+        self.on_received: Callable[[], None] = lambda: None
+        self._released = False
+        self.quiesced.set()  # the receiver sends no data; only credits
+
+    @property
+    def all_received(self) -> bool:
+        return self.received == self.handle.transfer.num_layers
+
+    def _post_layer(self, layer: int, slot: torch.Tensor | None) -> Any:
+        """Post this layer's receives now; returns the buffer its header will land in."""
+        mem, blocks, transport = self.env.memory, self.handle.blocks, self.env.transport
+        self._posted_ns[layer] = time.time_ns()
+        if self.single:
+            assert slot is not None  # single framing always stages
+            self._posted[layer] = [transport.post_recv(slot, wire.make_tag(self.dst_tag, layer,
+                                                                        wire.KIND_DATA))]
+            return slot[:wire.HEADER_CAPACITY].numpy()
+        hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+        if slot is None:
+            assert blocks is not None  # only a reserved, contiguous destination is direct
+            targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+        elif self.codec is not None:
+            targets = [slot]
+        else:
+            view = mem.staging_view(slot, self.nblocks)
+            targets = [view[p] for p in range(mem.planes)]
+        posted = [transport.post_recv(hdr, wire.make_tag(self.dst_tag, layer, wire.KIND_HEADER))]
+        posted += [transport.post_recv(tgt, wire.make_tag(self.dst_tag, layer, wire.KIND_DATA + p))
+                   for p, tgt in enumerate(targets)]
+        self._posted[layer] = posted
+        return hdr
+
+    async def _scatter(self, layer: int) -> None:
+        """Staging -> the reserved blocks, then the layer counts as landed."""
+        env, h = self.env, self.handle
+        assert h.blocks is not None
+        slot = self._slots.get(layer)
+        if slot is not None:
+            prefix = wire.HEADER_CAPACITY if self.single else 0
+            if self.codec is not None:
+                await run_copy(self.codec.decode, layer, h.blocks, slot[prefix:])
+            else:
+                view = env.memory.staging_view(slot[prefix:], self.nblocks)
+                await run_copy(env.memory.scatter, layer, h.blocks, view)
+            env.staging.release(self._slots.pop(layer))
+        h.mark_layer(layer)
+        if h.transfer.all_layers_done:
+            self._outcome = self._outcome or (TransferState.COMPLETED, "", None)
+            self._loop_scope.cancel()
+
+    async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
+        env, h = self.env, self.handle
+        span: Span | None = None
+        try:
+            for req in self._posted[layer]:
+                await req.wait()
+            if self._outcome is not None:
+                return
+            header = wire.decode_header(hdr.data)
+            want = self.layer_bytes
+            if (header.xfer_tag, header.layer, header.nbytes, header.codec) != \
+                    (self.dst_tag, layer, want, h.transfer.codec):
+                raise ProtocolError(
+                    f"layer {layer}: header says tag {header.xfer_tag:#x} layer {header.layer} "
+                    f"{header.nbytes} bytes codec {header.codec}; expected {self.dst_tag:#x}, "
+                    f"{layer}, {want}, {h.transfer.codec}")
+            del self._posted[layer]
+            span = telemetry.layer_span(
+                h.transfer, "kvstream.layer.receive", layer, start_ns=self._posted_ns.get(layer),
+                links=telemetry.link_from(header.traceparent), bytes=want,
+                blocks=self.nblocks, codec=h.transfer.codec)
+            if span is not None:
+                span.add_event("arrived")
+            env.count("bytes_received", want)
+            self.received += 1
+            if self.all_received:
+                self.on_received()
+            if h.blocks is None:
+                self._staged.add(layer)  # no reservation yet: it waits in staging
+            else:
+                await self._scatter(layer)
+            if self.all_received and not self._done_sent:
+                # The sender may release its blocks now, claimed or not.
+                self._done_sent = True
+                await env.publish_done(self.peer, msgspec.structs.replace(
+                    h.transfer.result(), status=TransferState.COMPLETED))
+        except Exception as exc:  # torch or UCX trouble ends this transfer, not the agent
+            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
+        finally:
+            posted = self._posted.get(layer)
+            # A slot with a receive still posted on it is released after the drain; a staged
+            # layer's slot when it is claimed or dropped.
+            if (posted is None or all(r.completed for r in posted)) and layer not in self._staged:
+                slot = self._slots.pop(layer, None)
+                if slot is not None:
+                    env.staging.release(slot)
+            limiter.release()
+            telemetry.end_layer(span, h.transfer.layers_done[layer] or layer in self._staged)
+
+    def claim(self, blocks: BlockMap) -> None:
+        """The engine reserved blocks for a push already (partly) staged: move it in."""
+        self.handle.blocks = blocks
+        staged, self._staged = sorted(self._staged), set()
+        if self._lands is not None:
+            self._lands.start_soon(self._land_staged, staged)
+
+    async def _land_staged(self, layers: list[int]) -> None:
+        try:
+            for layer in layers:
+                if self._outcome is not None and self._outcome[0] is not TransferState.COMPLETED:
+                    return
+                await self._scatter(layer)
+        except Exception as exc:
+            self.stop(TransferState.FAILED, f"moving staged layers in: {exc}")
+
+    async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
+        env, h, t = self.env, self.handle, self.handle.transfer
+        self._lands = lands
+        direct = not self.prestaged and h.blocks is not None and \
+            h.blocks.contiguous_start is not None and self.codec is None
+        window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
+        limiter = anyio.Semaphore(window)
+        credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
+        nbytes = self.layer_bytes
+        if self.single:
+            nbytes += wire.HEADER_CAPACITY
+        credited = 0
+
+        async def flush_credit(upto: int) -> None:
+            nonlocal credited
+            if upto > credited:
+                # One cumulative credit for every layer posted so far.
+                await env.transport.send(self.peer_address, wire.encode_credit(upto), credit_tag)
+                credited = upto
+
+        for layer in range(t.num_layers):
+            if h.requested <= layer:  # lazy: post (and credit) a layer once it is asked for
+                await flush_credit(layer)
+                await h.until_requested(layer)
+            try:
+                limiter.acquire_nowait()
+            except anyio.WouldBlock:
+                await flush_credit(layer)
+                await limiter.acquire()
+            slot = self._slots.get(layer)
+            if slot is None and not direct:
+                try:
+                    slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
+                except BaseException:
+                    limiter.release()
+                    raise
+                self._slots[layer] = slot
+            hdr = self._post_layer(layer, slot)
+            lands.start_soon(self._land_layer, layer, hdr, limiter)
+        await flush_credit(t.num_layers)
+        await anyio.sleep_forever()  # until the last layer lands (or the transfer stops)
+
+    async def run(self) -> None:
+        t = self.handle.transfer
+        t.streaming()
+        try:
+            async with anyio.create_task_group() as lands:
+                with self._loop_scope:
+                    try:
+                        await self._stream(lands)
+                    except KVStreamError as exc:
+                        self.stop(TransferState.FAILED, str(exc))
+                # Landing tasks still wait on posted receives unless the transfer completed.
+                if self._posted:
+                    await self._release_posted()
+                    if self._stuck():
+                        lands.cancel_scope.cancel()  # bounded: _finish quarantines their slots
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+
+    def _stuck(self) -> bool:
+        return any(not r.completed for posted in self._posted.values() for r in posted)
+
+    async def _release_posted(self) -> None:
+        """Make sure no receive stays posted: ask the sender to stop, then drain."""
+        if self._released:
+            return
+        self._released = True
+        env, t = self.env, self.handle.transfer
+        state, reason, _ = self._outcome or (TransferState.FAILED, "receive stopped", None)
+        await self._tell_peer(state, reason)
+        pending = [req for posted in self._posted.values() for req in posted if not req.completed]
+        for req in pending:
+            try:
+                await env.transport.drain(req.tag)
+            except KVStreamError as exc:
+                log.warning("%r: %s", t, exc)
+        with anyio.move_on_after(env.config.request_timeout_s):
+            for req in pending:
+                with contextlib.suppress(KVStreamError):
+                    await req.wait()
+
+    async def _finish(self) -> None:
+        env, t = self.env, self.handle.transfer
+        if self._posted or self._ending()[0] is not TransferState.COMPLETED:
+            # Reached when cancellation skipped the orderly path in run(), or when nothing
+            # was posted (a lazy pull between layers): the sender still waits for credits
+            # and must hear of the end now, not at its deadline or lease expiry.
+            await self._release_posted()
+        for layer, slot in self._slots.items():
+            posted = self._posted.get(layer, [])
+            if all(r.completed for r in posted):
+                env.staging.release(slot)
+            else:
+                # A receive we could not drain may still write here: never reuse this buffer.
+                log.warning("%r: layer %d's buffer quarantined (receive still posted)", t, layer)
+                env.staging.quarantine(slot)
+        self._slots.clear()
+        self._staged.clear()
+        if self._end() and t.state is TransferState.COMPLETED and not self._done_sent:
+            await env.publish_done(self.peer, t.result())
+        self.quiesced.set()
+        self.stopped.set()
+

@@ -1,0 +1,193 @@
+"""The send half of a transfer on the data plane: credits in, layers out.
+
+With a codec (``Transfer.codec`` != "none") the gather is gather + quantize
+(``quant.codec.LayerCodec``) on the copy threads, so encoding layer L+1 overlaps
+sending L. The flow and ending rules are in ``dataplane.stream``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from kvstream import telemetry
+from kvstream._exceptions import KVStreamError
+from kvstream.dataplane import wire
+from kvstream.dataplane.stream import Stream, StreamEnv, single_message_for
+from kvstream.memory import run_copy
+from kvstream.quant.codec import make_codec
+from kvstream.quant.scheme import wire_layer_bytes
+from kvstream.transfer.state import TransferState
+
+if TYPE_CHECKING:
+    import torch
+    from opentelemetry.trace import Span
+
+    from kvstream.dataplane.transport import PostedReceive
+    from kvstream.transfer.handles import SendHandle
+
+__all__ = ["SendStream"]
+
+log = logging.getLogger("kvstream.transfer")
+
+
+class SendStream(Stream):
+    def __init__(self, env: StreamEnv, handle: SendHandle, *, peer_address: bytes,
+                 src_tag: int, dst_tag: int, dst_contiguous: bool) -> None:
+        super().__init__(env, handle.transfer, peer_address)
+        self.handle = handle
+        self.src_tag = src_tag
+        self.dst_tag = dst_tag
+        t = handle.transfer
+        self.codec = make_codec(env.memory, t.codec)
+        self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, len(handle.blocks))
+        self.single = single_message_for(env.memory, handle.blocks.contiguous_start is not None,
+                                         dst_contiguous, t.codec)
+        self.granted = 0
+        self._credit_changed = anyio.Event()
+        self._credit_recv: PostedReceive | None = None
+        self.remote_done = anyio.Event()
+        self.remote_status: tuple[str, str] = ("", "")
+
+    def on_remote_done(self, status: str, reason: str) -> None:
+        self.remote_status = (status, reason)
+        self.remote_done.set()
+
+    async def _credit_loop(self) -> None:
+        buf = np.zeros(8, dtype=np.uint8)
+        tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
+        n = self.handle.transfer.num_layers
+        while self.granted < n:
+            self._credit_recv = self.env.transport.post_recv(buf, tag)
+            try:
+                await self._credit_recv.wait()
+            except KVStreamError as exc:  # a task error must end this transfer, not the agent
+                self.stop(TransferState.FAILED, f"credit receive: {exc}")
+                return
+            self._credit_recv = None
+            if self._outcome is not None:
+                return
+            self.granted = max(self.granted, wire.decode_credit(buf.data))
+            self._credit_changed.set()
+            self._credit_changed = anyio.Event()
+
+    async def _send_layer(self, layer: int, parts: list[torch.Tensor], slot: torch.Tensor | None,
+                          limiter: anyio.Semaphore, span: Span | None = None) -> None:
+        env, t = self.env, self.handle.transfer
+        try:
+            nbytes = self.layer_bytes
+            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts), codec=t.codec,
+                                      traceparent=telemetry.traceparent_of(span))
+            if self.single:
+                assert slot is not None  # single framing always stages
+                wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
+                messages: list[tuple[Any, int]] = [(slot, wire.KIND_DATA)]
+            else:
+                hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+                used = wire.encode_header(header, hdr.data)
+                messages = [(hdr[:used], wire.KIND_HEADER)]
+                messages += [(part, wire.KIND_DATA + i) for i, part in enumerate(parts)]
+            for buf, kind in messages:
+                if self._outcome is not None:
+                    return  # stopped: send nothing more (what our AbortAck promises)
+                await env.transport.send(self.peer_address, buf,
+                                      wire.make_tag(self.dst_tag, layer, kind))
+            t.layer_done(layer)
+            env.count("bytes_sent", nbytes)
+        except KVStreamError as exc:  # a task error must end this transfer, not the agent
+            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
+        finally:
+            if slot is not None:
+                env.staging.release(slot)
+            limiter.release()
+            telemetry.end_layer(span, t.layers_done[layer])
+
+    async def _stream(self, sends: anyio.abc.TaskGroup) -> None:
+        try:
+            await self._stream_layers(sends)
+        except KVStreamError as exc:
+            # Stop here, but let sends already in flight complete (the peer's receives
+            # are posted for them), so no buffer is released under UCX.
+            self.stop(TransferState.FAILED, str(exc))
+
+    async def _stream_layers(self, sends: anyio.abc.TaskGroup) -> None:
+        env, h, t = self.env, self.handle, self.handle.transfer
+        mem, blocks = env.memory, h.blocks
+        limiter = anyio.Semaphore(env.config.max_inflight_layers)
+        direct = blocks.contiguous_start is not None and self.codec is None
+        prefix = wire.HEADER_CAPACITY if self.single else 0
+        for layer in range(t.num_layers):
+            await h.until_sendable(layer)
+            while self.granted <= layer:
+                await self._credit_changed.wait()
+            await limiter.acquire()
+            slot = None
+            span = telemetry.layer_span(t, "kvstream.layer.send", layer, bytes=self.layer_bytes,
+                                        blocks=len(blocks), codec=t.codec)
+            try:
+                if direct:
+                    runs = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+                    parts = [run for run in runs if run is not None]  # all: the run is direct
+                else:
+                    slot = await env.staging.acquire(prefix + self.layer_bytes,
+                                                     timeout=env.config.transfer_timeout_s)
+                    if self.codec is not None:
+                        await run_copy(self.codec.encode, layer, blocks, slot[prefix:])
+                        parts = [slot[prefix:]]
+                    else:
+                        view = mem.staging_view(slot[prefix:], len(blocks))
+                        await run_copy(mem.gather, layer, blocks, view)
+                        parts = [view[p] for p in range(mem.planes)]
+            except BaseException:
+                if slot is not None:
+                    env.staging.release(slot)
+                limiter.release()
+                telemetry.end_layer(span, False)
+                raise
+            sends.start_soon(self._send_layer, layer, parts, slot, limiter, span)
+
+    async def run(self) -> None:
+        _env, t = self.env, self.handle.transfer
+        t.streaming()
+        try:
+            with self._io_scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._credit_loop)
+                    async with anyio.create_task_group() as sends:
+                        with self._loop_scope:
+                            await self._stream(sends)
+                    self.quiesced.set()
+                    if self._outcome is None:
+                        # A fresh scope: stop() cancels whichever loop scope is current.
+                        self._loop_scope = anyio.CancelScope()
+                        with self._loop_scope:
+                            await self.remote_done.wait()
+                            status, reason = self.remote_status
+                            self._outcome = (TransferState(status), reason, None)
+                            self._peer_initiated = True
+                    tg.cancel_scope.cancel()  # the credit loop, if credits are still owed
+        except KVStreamError as exc:
+            self.stop(TransferState.FAILED, str(exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+
+    async def _finish(self) -> None:
+        env, t = self.env, self.handle.transfer
+        log.debug("%r: finishing with %s", t, self._outcome)
+        state, reason, _ = self._ending()
+        if state is not TransferState.COMPLETED:
+            await self._tell_peer(state, reason)
+        if self._credit_recv is not None and not self._credit_recv.completed:
+            try:
+                await env.transport.drain(self._credit_recv.tag)
+            except KVStreamError as exc:
+                log.warning("%r: %s", t, exc)
+        self._end()
+        self.quiesced.set()
+        self.stopped.set()
+
+

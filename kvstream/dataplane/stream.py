@@ -1,0 +1,126 @@
+"""What a data-plane stream is: the base both halves share, and what it needs from its agent.
+
+Flow per layer L (receiver-driven, so every send meets a posted receive):
+
+    D: post header + part receives for L (into engine blocks or staging)
+    D -> P: credit "layers < L+1 may come"               (8-byte tagged message)
+    P: wait until L is ready (pipelined) or all are (eager), and credited
+    P: gather L's blocks (or use them in place), send header, send parts
+    D: check header, scatter out of staging, mark L landed
+
+The send half is ``dataplane.send``, the receive half ``dataplane.recv``; both move bytes
+through a ``Transport`` (UCX in production, a loopback in unit tests).
+
+Ending rules (docs/architecture.md, "ending a transfer"): the receiver never
+releases a buffer with a receive still posted on it. A receive is completed by
+data, or drained with a zero-byte self-send, and draining happens only once the
+sender has promised to send nothing more (its AbortAck) or is gone (endpoint
+aborted). A sender acks an abort only after its in-flight sends completed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kvstream.transfer.state import EndCause, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.config import AgentConfig
+    from kvstream.dataplane.staging import StagingPool
+    from kvstream.dataplane.transport import Transport
+    from kvstream.memory import RegisteredKV
+    from kvstream.transfer.state import Transfer
+
+__all__ = ["Stream", "StreamEnv", "single_message_for"]
+
+log = logging.getLogger("kvstream.transfer")
+
+
+@dataclass
+class StreamEnv:
+    """What a stream needs from its agent (callbacks, so the data plane imports no engine)."""
+
+    config: AgentConfig
+    transport: Transport
+    memory: RegisteredKV
+    staging: StagingPool
+    # Ask the peer to abort; True if it acknowledged (nothing of ours is in flight there).
+    request_abort: Callable[[str, str, str], Awaitable[bool]]
+    publish_done: Callable[[str, Any], Awaitable[None]]
+    count: Callable[[str, int], None]
+    peer_alive: Callable[[str], bool]
+
+
+def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
+                       codec: str = "none") -> bool:
+    """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
+    as one message ``[header | payload]`` out of one staging buffer into another (one
+    rendezvous instead of one per plane plus a header); otherwise as a header message plus
+    one message per plane, so a contiguous end moves its blocks in place. A codec always
+    stages on both ends and sends a header plus one part (scales, then codes), whatever
+    each end's device, so a CPU end and a GPU end frame alike."""
+    if codec != "none":
+        return False
+    return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
+
+
+Outcome = tuple[TransferState, str, "EndCause | None"]
+
+
+class Stream:
+    """What both halves share: the first outcome wins, and stopping cancels the I/O loop."""
+
+    def __init__(self, env: StreamEnv, transfer: Transfer, peer_address: bytes) -> None:
+        self.env = env
+        self.transfer = transfer
+        self.peer = transfer.peer
+        self.peer_address = peer_address
+        self._outcome: Outcome | None = None
+        self._peer_initiated = False
+        self._peer_dead = False
+        self._loop_scope = anyio.CancelScope()
+        self._io_scope = anyio.CancelScope()
+        self.stopped = anyio.Event()
+        # Set once nothing of ours is in flight toward the peer (what an AbortAck promises).
+        self.quiesced = anyio.Event()
+
+    async def run(self) -> None:
+        """Move the bytes until the transfer ends; always finishes it (``_end``)."""
+        raise NotImplementedError
+
+    def stop(self, state: TransferState, reason: str, *, by_peer: bool = False,
+             peer_dead: bool = False, cause: EndCause | None = None) -> None:
+        """Begin ending the transfer; the first outcome reported wins."""
+        if self._outcome is None:
+            if by_peer and cause is None:
+                cause = EndCause.PEER_ABORT
+            self._outcome = (state, reason, cause)
+            self._peer_initiated = by_peer
+        if peer_dead and not self._peer_dead:
+            self._peer_dead = True
+            # The endpoint is shared by every transfer with that peer: abort it only when
+            # the peer is really gone, not merely slow to acknowledge one abort.
+            if not self.env.peer_alive(self.peer):
+                self.env.transport.forget_peer(self.peer_address)
+            self._io_scope.cancel()
+        self._loop_scope.cancel()
+
+    def _ending(self) -> Outcome:
+        return self._outcome or (TransferState.FAILED, "stream ended without an outcome", None)
+
+    async def _tell_peer(self, state: TransferState, reason: str) -> None:
+        """Unless the peer started the ending or is gone, get its promise to send nothing more."""
+        if self._peer_initiated or self._peer_dead:
+            return
+        if not await self.env.request_abort(self.peer, self.transfer.transfer_id, reason):
+            self.stop(state, reason, peer_dead=True)
+
+    def _end(self) -> bool:
+        """Finish the transfer with the outcome (its release hooks tell the agent)."""
+        state, reason, cause = self._ending()
+        return self.transfer.finish(state, reason, cause)

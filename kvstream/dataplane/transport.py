@@ -1,0 +1,50 @@
+"""What streams need of the data plane, so a test can hand them ``LoopbackTransport``
+instead of a UCX ``UcxWorker`` (which, with ``PostedRecv``, matches these as is).
+
+Tag semantics both keep: a receive completes with the oldest message sent on exactly
+its 64-bit tag; a message nobody has posted for waits until someone does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = ["PostedReceive", "Transport"]
+
+
+class PostedReceive(Protocol):
+    """A receive already posted; ``completed`` is true once it ended, failed ones too."""
+
+    tag: int
+
+    @property
+    def completed(self) -> bool: ...
+
+    async def wait(self) -> None:
+        """Until the message is in the buffer; ``DataPlaneError`` if the receive failed."""
+        ...
+
+
+class Transport(Protocol):
+    """The tagged-message surface of ``UcxWorker`` that streams use."""
+
+    @property
+    def address(self) -> bytes:
+        """This worker's address, as peers pass it to ``send``."""
+        ...
+
+    async def send(self, peer_address: bytes, buf: Any, tag: int) -> None: ...
+
+    def post_recv(self, buf: Any, tag: int) -> PostedReceive:
+        """Post now (so a credit can follow); await ``.wait()`` later."""
+        ...
+
+    async def drain(self, tag: int) -> None:
+        """Complete a receive posted on ``tag`` without writing into its buffer."""
+        ...
+
+    def forget_peer(self, peer_address: bytes) -> None:
+        """Drop a dead peer's endpoint; a later send opens a new one."""
+        ...
+
+    async def close(self) -> None: ...

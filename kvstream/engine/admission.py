@@ -1,0 +1,194 @@
+"""Admission, the decode side of a push: reservations and what arrives for them.
+
+One job: ``expect()`` reserves blocks for a request; a manifest (the offer of a push) is
+checked against registered memory and the layout, then bound to its reservation, or held
+whole in the bounded staging pool until ``expect()`` claims it, or refused with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import SpanKind
+
+from kvstream import telemetry
+from kvstream._exceptions import ConfigError, InvalidBlockError
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.recv import RecvStream
+from kvstream.dataplane.stream import single_message_for
+from kvstream.engine.book import Kind
+from kvstream.engine.rules import layout_mismatch, shrink, without
+from kvstream.memory import is_run
+from kvstream.prefix import skipped_indices
+from kvstream.quant.scheme import wire_layer_bytes
+from kvstream.transfer.handles import ReceiveHandle
+from kvstream.transfer.state import Side, Transfer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from kvstream.engine.book import Entry
+    from kvstream.engine.core import Core
+    from kvstream.memory import RegisteredKV
+
+    Reject = Callable[[m.RejectCode, str], m.Reject]
+
+__all__ = ["Admission"]
+
+log = logging.getLogger("kvstream.agent")
+
+
+def _trace(t: Transfer, msg: m.Manifest, headers: dict[str, str] | None) -> None:
+    """The receive side's span, a child of the sender's push span (NATS headers)."""
+    telemetry.trace_transfer(t, telemetry.open_span(
+        "kvstream.receive", parent=telemetry.context_from(headers), kind=SpanKind.CONSUMER,
+        request_id=msg.request_id, transfer_id=msg.transfer_id, side="recv", peer=msg.src,
+        mode=msg.mode, codec=msg.codec, blocks=len(msg.src_blocks)))
+
+
+class Admission:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    def expect(self, request_id: str, dst_blocks: Sequence[int], *,
+               have: Iterable[int] = ()) -> ReceiveHandle:
+        core = self.core
+        mem = core.mem()
+        current = core.book.receiving.get(request_id)
+        if current is not None and current.kind is Kind.STAGED:
+            return self._claim(current, mem, dst_blocks)
+        blocks = mem.block_map(dst_blocks, what="destination block")
+        entry = core.book.reserve(request_id, core.clock())
+        transfer = Transfer(transfer_id="", request_id=request_id, side=Side.RECV, peer="",
+                            num_layers=mem.layout.num_layers,
+                            layer_bytes=mem.planes * mem.plane_bytes(len(blocks)),
+                            clock=core.clock)
+        handle = ReceiveHandle(transfer, core.aborter(entry), blocks=blocks,
+                               have=frozenset(have))
+        core.track(entry, handle)
+        return handle
+
+    def _claim(self, entry: Entry, mem: RegisteredKV, dst_blocks: Sequence[int]
+               ) -> ReceiveHandle:
+        """The engine reserves blocks for a push already (partly) staged: move it in."""
+        stream: RecvStream = entry.runner
+        blocks = mem.block_map(dst_blocks, what="destination block")
+        if len(blocks) != stream.nblocks or (entry.promised and entry.promised != blocks.ids):
+            promised = f" for {entry.promised}" if entry.promised else ""
+            raise InvalidBlockError(
+                f"the push staged for {entry.request_id!r} carries {stream.nblocks} blocks "
+                f"per layer{promised}; got {blocks.ids}", block_ids=blocks.ids,
+                limit=mem.num_blocks)
+        self.core.book.bind(entry, entry.transfer_id, entry.peer)
+        stream.claim(blocks)
+        return stream.handle
+
+    async def on_manifest(self, msg: m.Manifest,
+                          headers: dict[str, str] | None = None) -> m.ControlMessage:
+        def reject(code: m.RejectCode, reason: str) -> m.Reject:
+            log.warning("rejected transfer %s from %s: %s", msg.transfer_id, msg.src, reason)
+            return m.Reject(transfer_id=msg.transfer_id, code=code, reason=reason)
+
+        core = self.core
+        mem = core.memory
+        if mem is None:
+            return reject("no_reservation", f"{core.instance_id} has no registered KV memory")
+        if msg.codec not in core.config.accept_codecs:
+            return reject("incompatible", f"codec {msg.codec!r} is not accepted here "
+                          f"(AgentConfig.accept_codecs: {', '.join(core.config.accept_codecs)})")
+        if (why := layout_mismatch(mem, msg.fingerprint, msg.num_layers, msg.codec,
+                                       msg.cache_scales)) is not None:
+            return reject("incompatible", why)
+        if msg.transfer_id in core.book.streams:
+            return reject("duplicate", f"transfer {msg.transfer_id} is already running")
+        entry = core.book.receiving.get(msg.request_id)
+        if entry is not None and entry.kind is not Kind.RESERVATION:
+            return reject("duplicate", f"request {msg.request_id!r} already has a "
+                          f"{'staged ' if entry.kind is Kind.STAGED else ''}push")
+        try:
+            Subjects.check_instance_id(msg.src)
+        except ConfigError as exc:
+            return reject("malformed", str(exc))
+        if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
+            return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
+                          f"in {mem.num_blocks} registered blocks")
+        if len(msg.block_hashes) > len(msg.src_blocks):
+            return reject("malformed", f"{len(msg.block_hashes)} block hashes for "
+                          f"{len(msg.src_blocks)} blocks")
+        if entry is None:
+            return self._stage(msg, headers, mem, reject)
+        handle: ReceiveHandle = entry.handle
+        full = handle.blocks
+        assert full is not None  # a reservation always has its blocks
+        if len(msg.src_blocks) != len(full) or (msg.dst_blocks and msg.dst_blocks != full.ids):
+            return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map "
+                          f"onto the {len(full)} blocks reserved for {msg.request_id!r}")
+        core.book.bind(entry, msg.transfer_id, msg.src)
+        t = handle.transfer
+        t.transfer_id, t.peer, t.codec = msg.transfer_id, msg.src, msg.codec
+        t.layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+        _trace(t, msg, headers)
+        t.started_at = core.clock()  # the transfer deadline counts from the offer
+        skip = skipped_indices(msg.block_hashes, handle.have)
+        if skip:
+            handle.blocks = full.without(skip)
+            shrink(t, mem, len(full), len(handle.blocks))
+            core.count("bytes_skipped", t.bytes_skipped)
+            if not handle.blocks:
+                core.complete_empty(t, handle)
+                return m.Accept(transfer_id=msg.transfer_id, dst_tag=0,
+                                dst_address=core.transport.address, dst_blocks=full.ids,
+                                skip=skip)
+        return self._start(entry, msg, handle, full.ids, skip, None)
+
+    def _stage(self, msg: m.Manifest, headers: dict[str, str] | None, mem: RegisteredKV,
+               reject: Reject) -> m.ControlMessage:
+        """No reservation yet: hold the whole push in staging until the engine claims it
+        with expect(), or refuse at once when the bounded pool has no room (the sender
+        backs off and retries for staging_wait_s)."""
+        core = self.core
+        single = single_message_for(mem, is_run(msg.src_blocks), False, msg.codec)
+        layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+        if core.book.active >= core.book.max_transfers:
+            return reject("busy", f"max_transfers={core.book.max_transfers} reached")
+        slots = core.staging.try_acquire_all(
+            [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
+        if slots is None:
+            return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
+                          f"pool is full ({core.staging.in_use} of {core.staging.max_bytes} B)")
+        entry = core.book.stage(msg.request_id, msg.transfer_id, msg.src, core.clock(),
+                                promised=msg.dst_blocks)
+        t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
+                     peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes,
+                     clock=core.clock)
+        t.codec = msg.codec
+        _trace(t, msg, headers)
+        handle = ReceiveHandle(t, core.aborter(entry), blocks=None)
+        core.track(entry, handle)
+        return self._start(entry, msg, handle, [], [], dict(enumerate(slots)))
+
+    def _start(self, entry: Entry, msg: m.Manifest, handle: ReceiveHandle,
+               accepted: list[int], skip: list[int],
+               staged: dict[int, torch.Tensor] | None) -> m.ControlMessage:
+        core = self.core
+        t = handle.transfer
+        t.deadline_s = msg.deadline_s  # the sender's deadline holds on both sides
+        core.registry.contact(msg.src)
+        dst_tag = wire.next_xfer_tag()
+        src_kept = without(msg.src_blocks, skip)
+        stream = RecvStream(core.env(), handle, peer_address=msg.src_address,
+                            src_tag=msg.src_tag, dst_tag=dst_tag,
+                            src_contiguous=is_run(src_kept), nblocks=len(src_kept),
+                            staged_slots=staged)
+        core.run_stream(entry, stream, msg.deadline_s)
+        return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
+                        dst_address=core.transport.address,
+                        # A staged push answers [] so both sides derive the same framing.
+                        dst_blocks=accepted, skip=skip)
+

@@ -1,0 +1,240 @@
+"""The Agent: a facade over the engine's parts, its control and data ports, its memory.
+
+An Agent is an async context manager owning one task group; everything it runs in the
+background (the timer, each transfer's stream) lives there and ends with it. It opens
+NATS and UCX itself unless handed ports (``control=``, ``transport=``: an in-memory bus
+and a loopback transport make it testable without either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+from opentelemetry.metrics import Observation
+
+from kvstream import telemetry
+from kvstream._exceptions import ConfigError, KVStreamError
+from kvstream.control import messages as m
+from kvstream.control.registry import Registry
+from kvstream.dataplane.send import SendStream
+from kvstream.dataplane.staging import StagingPool
+from kvstream.engine.admission import Admission
+from kvstream.engine.core import Core
+from kvstream.engine.keeper import Keeper, RemoteLease
+from kvstream.engine.liveness import Liveness
+from kvstream.engine.offers import Offers
+from kvstream.engine.ports import open_control, open_transport
+from kvstream.engine.pull import Puller
+from kvstream.engine.push import Pusher
+from kvstream.engine.stats import AgentStatistics, snapshot
+from kvstream.memory import RegisteredKV
+from kvstream.transfer.state import EndCause, TransferState
+
+if TYPE_CHECKING:
+    import torch
+    from opentelemetry.context import Context
+
+    from kvstream.config import AgentConfig
+    from kvstream.control.port import ControlPort
+    from kvstream.dataplane.transport import Transport
+    from kvstream.layout import KVLayout
+    from kvstream.transfer.handles import ReceiveHandle, SendHandle
+
+__all__ = ["Agent", "AgentStatistics"]
+
+log = logging.getLogger("kvstream.agent")
+
+
+class Agent:
+    """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
+
+    def __init__(self, config: AgentConfig, *, layout: KVLayout | None = None,
+                 kv_caches: Sequence[torch.Tensor] | None = None,
+                 control: ControlPort | None = None, transport: Transport | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.registry = Registry(peer_timeout_s=config.peer_timeout_s, clock=clock)
+        self.staging = StagingPool(config.staging_bytes)
+        self._core = core = Core(config, registry=self.registry, staging=self.staging,
+                                 clock=clock)
+        self.subjects = core.subjects
+        self._pusher, self._admission = Pusher(core), Admission(core)
+        self._offers, self._puller, self._keeper = Offers(core), Puller(core), Keeper(core)
+        self._liveness = Liveness(core, self._keeper, layout)
+        self._ports = (control, transport)
+        self._stack = contextlib.AsyncExitStack()
+        self.nats_url = ""
+        if kv_caches is not None:
+            if layout is None:
+                raise ConfigError("kv_caches need their layout")
+            self.register_kv(layout, kv_caches)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def __aenter__(self) -> Agent:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        cfg, (control, transport) = self.config, self._ports
+        if control is None:
+            control, self.nats_url = await open_control(cfg, self._stack)
+        if transport is None:
+            transport = await open_transport(cfg, self._stack)
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._core.attach(control, transport, tg.start_soon)
+        self._stack.push_async_callback(self._shutdown, tg)
+        await control.serve(self.subjects.control(cfg.instance_id), self._on_control,
+                            spawn=tg.start_soon)
+        await control.serve(self.subjects.registry_all, self._liveness.on_registry)
+        await self._liveness.announce()
+        await control.flush()
+        self._stack.callback(telemetry.observe_staging(self._staging_observation))
+        tg.start_soon(self._liveness.run)
+
+    async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
+        """Abort what is in flight (peers are told), say goodbye, stop background tasks."""
+        core = self._core
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.config.request_timeout_s):
+                async with anyio.create_task_group() as leases:
+                    for entry in list(core.book.leases.values()):
+                        leases.start_soon(entry.handle.release, "agent shutting down")
+            await core.end_all("agent shutting down", self.config.request_timeout_s * 2)
+            with contextlib.suppress(KVStreamError):
+                await core.control.publish(self.subjects.registry(self.instance_id),
+                                           m.Leave(instance_id=self.instance_id))
+            tg.cancel_scope.cancel()
+
+    # -- memory ----------------------------------------------------------------------
+    def register_kv(self, layout: KVLayout, layers: Sequence[torch.Tensor], *,
+                    cache_scales: Sequence[float] | None = None) -> RegisteredKV:
+        """Register the engine's per-layer KV tensors; block ids are checked against them.
+
+        ``cache_scales``: an FP8 cache's (k_scale, v_scale) per layer (or one pair); they
+        travel with its blocks and a destination with other scales refuses them.
+        """
+        self._liveness.layout = layout
+        return self._core.register(RegisteredKV(layout, layers, cache_scales=cache_scales))
+
+    async def unregister_kv(self, reason: str = "KV memory unregistered") -> None:
+        """Abort every transfer and reservation, then drop the memory (and staging buffers).
+
+        Returns once nothing can write into the old memory any more."""
+        await self._core.end_all(reason)
+        self._core.memory = None
+        self.staging.clear()
+
+    @property
+    def memory(self) -> RegisteredKV | None:
+        return self._core.memory
+
+    @property
+    def instance_id(self) -> str:
+        return self.config.instance_id
+
+    @property
+    def worker_address(self) -> bytes:
+        return self._core.transport.address
+
+    # -- the public calls: kvstream.client_api.TransferClient documents them; the Agent's
+    # take the same arguments (a test checks), and expect/offer do no I/O, so are plain.
+    def expect(self, request_id: str, blocks: Sequence[int], *,
+               have: Iterable[int] = ()) -> ReceiveHandle:
+        return self._admission.expect(request_id, blocks, have=have)
+
+    async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
+                   dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+                   block_hashes: Sequence[int] | None = None, codec: str | None = None,
+                   timeout: float | None = None, trace_context: Context | None = None
+                   ) -> SendHandle:
+        return await self._pusher.push(
+            request_id, dst, src_blocks, dst_blocks=dst_blocks, mode=mode,
+            timeout=timeout, block_hashes=block_hashes, codec=codec, trace_context=trace_context)
+
+    def offer(self, request_id: str, src_blocks: Sequence[int], *,
+              block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+              lease_s: float | None = None) -> SendHandle:
+        return self._offers.offer(request_id, src_blocks, block_hashes=block_hashes,
+                                  mode=mode, lease_s=lease_s)
+
+    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
+                   mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
+                   codec: str | None = None, timeout: float | None = None,
+                   trace_context: Context | None = None) -> ReceiveHandle:
+        return await self._puller.pull(
+            request_id, src, dst_blocks, mode=mode, have=have, lookahead=lookahead,
+            timeout=timeout, codec=codec, trace_context=trace_context)
+
+    async def keep(self, request_id: str, src_instance: str) -> RemoteLease:
+        return await self._keeper.keep(request_id, src_instance)
+
+    async def release(self, request_id: str, src_instance: str,
+                      reason: str = "the destination no longer wants it") -> bool:
+        return await self._keeper.release(request_id, src_instance, reason)
+
+    # -- control plane -----------------------------------------------------------------
+    async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]
+                          ) -> m.ControlMessage | None:
+        match msg:
+            case m.Manifest():
+                return await self._admission.on_manifest(msg, headers)
+            case m.Abort():
+                return await self._on_abort(msg)
+            case m.Pull():
+                return await self._offers.on_pull(msg, headers)
+            case m.Renew():
+                return self._offers.on_renew(msg)
+            case m.Done():
+                entry = self._core.book.lookup(msg.transfer_id)
+                if entry is not None and isinstance(entry.runner, SendStream):
+                    entry.runner.on_remote_done(msg.status, msg.reason)
+                return None
+            case _:
+                return m.Reject(transfer_id="", code="malformed",
+                                reason=f"{type(msg).__name__} is not a control request")
+
+    async def _on_abort(self, msg: m.Abort) -> m.ControlMessage:
+        core = self._core
+        entry = core.book.lookup(msg.transfer_id) if msg.transfer_id else None
+        if entry is None:
+            # No running transfer by that id: an offer or a lease by request id, or already
+            # over here; either way nothing of ours is in flight for it after this.
+            served = core.book.offers.get(msg.request_id)
+            self._offers.on_abort(msg)
+            self._keeper.on_abort(msg)
+            if served is not None and served.runner is not None and not msg.transfer_id:
+                with anyio.move_on_after(self.config.request_timeout_s):
+                    await served.runner.quiesced.wait()
+            return m.AbortAck(transfer_id=msg.transfer_id)
+        core.registry.contact(msg.by)
+        core.end(entry, TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}",
+                 EndCause.PEER_ABORT)
+        if entry.runner is not None:
+            with anyio.move_on_after(self.config.request_timeout_s):
+                await entry.runner.quiesced.wait()
+        return m.AbortAck(transfer_id=msg.transfer_id)
+
+    # -- introspection -----------------------------------------------------------------
+    def _staging_observation(self) -> list[Observation]:
+        return [Observation(self.staging.in_use, {"kvstream.instance": self.instance_id})]
+
+    def statistics(self) -> AgentStatistics:
+        control = self._core._control
+        return snapshot(self._core, control.malformed if control is not None else 0)
+
+    def peers(self, role: str | None = None) -> list[m.Announce]:
+        """Live instances from the registry (optionally of one role)."""
+        return self.registry.instances(role)
+

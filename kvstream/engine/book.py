@@ -1,0 +1,460 @@
+"""The transfer book: everything an agent holds for its transfers, as pure bookkeeping.
+
+Synchronous and free of I/O: the engine's parts report events to it with the time passed
+in (a reservation made, a manifest bound, a renewal, a peer lost, time going by, an end
+decided, a transfer finished) and perform the actions it returns (stop a stream, finish a
+transfer that has none, tell a keeper, lose a lease, renew). The book owns the rules:
+
+* an entry ends exactly once: the first end decided wins, and ``finished`` (reported by
+  the transfer's release hook) takes it out of every table, once;
+* an ending entry leaves its request's table at once (a new reservation, offer or pull of
+  the same request may start) but keeps counting against ``max_transfers`` until it has
+  finished, because until then its stream may still hold memory;
+* no action names an entry after it finished;
+* ``next_deadline`` says when ``tick`` next has work, so one timer drives it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvstream._exceptions import CapacityError, DuplicateRequestError
+from kvstream.transfer.state import EndCause, TransferState
+
+__all__ = ["Action", "Book", "Entry", "Finish", "Kind", "LoseLease", "Renew", "Stop",
+           "TellKeeper"]
+
+Alive = Callable[[str], bool]
+
+
+class Kind(enum.Enum):
+    RESERVATION = "reservation"  # receive side: blocks reserved, no manifest yet
+    STAGED = "staged"  # receive side: a push landing in staging, no reservation yet
+    RECEIVE = "receive"  # receive side of a push, bound to its reservation
+    PUSH = "push"  # send side of a push
+    OFFER = "offer"  # send side: blocks held under a lease for a pull
+    SERVE = "serve"  # send side: an offer being pulled
+    PULL = "pull"  # receive side of a pull
+    LEASE = "lease"  # a lease this agent keeps at a source (no transfer here)
+
+
+RECEIVING: Final = frozenset({Kind.STAGED, Kind.RECEIVE, Kind.PULL})
+
+
+@dataclass(eq=False)
+class Entry:
+    """One thing the book holds. ``handle`` and ``runner`` belong to the async layer (the
+    engine's handle, the stream running for it); the book never looks at them."""
+
+    kind: Kind
+    request_id: str
+    peer: str = ""
+    transfer_id: str = ""
+    opened_at: float = 0.0
+    deadline: float = math.inf  # when its transfer times out (set once it streams)
+    limit_s: float = 0.0  # the span behind ``deadline``, for the reason text
+    claim_by: float = math.inf  # a reservation's manifest, a staged push's claim, are due
+    lease_s: float = 0.0  # offers: how long one renewal holds them
+    lease_until: float = math.inf
+    keepers: set[str] = field(default_factory=set)  # who renewed an offer
+    promised: list[int] = field(default_factory=list)  # a staged push's named blocks
+    streaming: bool = False  # a stream runs for it: ending goes through ``Stop``
+    received: bool = False  # every byte is here: the peer's death no longer matters
+    confirmed: bool = False  # a lease the source said it holds (before: a question only)
+    peer_dead: bool = False  # its stop was told the peer is gone (abort the endpoint)
+    ending: tuple[TransferState, str] | None = None
+    finished: bool = False
+    handle: Any = None
+    runner: Any = None
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else (self.ending[0].value if self.ending else "live")
+        return f"<Entry {self.kind.value} {self.request_id} peer={self.peer or '-'} {state}>"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the stream running for ``entry``; it finishes the transfer when it has."""
+
+    entry: Entry
+    state: TransferState
+    reason: str
+    cause: EndCause
+    peer_dead: bool = False
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End ``entry``'s transfer now (no stream runs for it)."""
+
+    entry: Entry
+    state: TransferState
+    reason: str
+    cause: EndCause
+
+
+@dataclass(frozen=True)
+class TellKeeper:
+    """``keeper`` renewed an offer that just ended: tell it now, not at its next renewal."""
+
+    keeper: str
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoseLease:
+    """A lease kept at a source is gone (the entry already left the book)."""
+
+    entry: Entry
+    reason: str
+    cause: EndCause  # PEER_LOST, PEER_ABORT or LEASE_EXPIRED
+
+
+@dataclass(frozen=True)
+class Renew:
+    """Renew these requests at ``src`` now; report back with ``renewed``."""
+
+    src: str
+    request_ids: tuple[str, ...]
+
+
+Action = Stop | Finish | TellKeeper | LoseLease | Renew
+
+COUNTERS: Final = ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
+                   "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent")
+
+
+class Book:
+    def __init__(self, *, max_transfers: int, reservation_timeout_s: float,
+                 transfer_timeout_s: float, lease_s: float, renew_every: float = 0.25) -> None:
+        self.max_transfers = max_transfers
+        self.reservation_timeout_s = reservation_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lease_s = lease_s
+        self.renew_every = renew_every  # of the shortest lease a source grants
+        self.receiving: dict[str, Entry] = {}  # request id -> RESERVATION | STAGED | RECEIVE
+        self.offers: dict[str, Entry] = {}  # request id -> OFFER | SERVE
+        self.pulls: dict[tuple[str, str], Entry] = {}  # (source, request id) -> PULL
+        self.leases: dict[tuple[str, str], Entry] = {}  # (source, request id) -> LEASE
+        self.pushes: set[Entry] = set()
+        self.streams: dict[str, Entry] = {}  # transfer id -> entry with a stream
+        # Every entry not finished yet, ending or not, in the order they opened.
+        self.live: dict[Entry, None] = {}
+        self._active = 0
+        self.peer_lease: dict[str, float] = {}  # source -> the shortest lease it granted
+        self._renewed_at: dict[str, float] = {}
+        self._renewing: set[str] = set()
+        self._noted: dict[str, float] = {}  # leases learnt while a renewal was in flight
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    # -- opening ---------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        """What counts against ``max_transfers``: every unfinished entry but leases."""
+        return self._active
+
+    def _open(self, entry: Entry) -> Entry:
+        if entry.kind is not Kind.LEASE and self.active >= self.max_transfers:
+            raise CapacityError(f"max_transfers={self.max_transfers} reached",
+                                what="transfers", limit=self.max_transfers)
+        self.live[entry] = None
+        self._active += entry.kind is not Kind.LEASE
+        return entry
+
+    def reserve(self, request_id: str, now: float) -> Entry:
+        if request_id in self.receiving:
+            raise DuplicateRequestError(f"request {request_id!r} already has a reservation",
+                                        request_id=request_id)
+        entry = self._open(Entry(Kind.RESERVATION, request_id, opened_at=now,
+                                 claim_by=now + self.reservation_timeout_s))
+        self.receiving[request_id] = entry
+        return entry
+
+    def stage(self, request_id: str, transfer_id: str, peer: str, now: float,
+              promised: Iterable[int] = ()) -> Entry:
+        """A push arrived before its reservation: it waits in staging, unbound."""
+        if request_id in self.receiving:
+            raise DuplicateRequestError(f"request {request_id!r} already has a staged push",
+                                        request_id=request_id)
+        entry = self._open(Entry(Kind.STAGED, request_id, peer=peer, transfer_id=transfer_id,
+                                 opened_at=now, promised=list(promised),
+                                 claim_by=now + self.reservation_timeout_s))
+        self.receiving[request_id] = entry
+        return entry
+
+    def bind(self, entry: Entry, transfer_id: str, peer: str) -> None:
+        """A manifest arrived for a reservation, or the engine claimed a staged push."""
+        assert entry.kind in (Kind.RESERVATION, Kind.STAGED) and entry.ending is None
+        entry.kind = Kind.RECEIVE
+        entry.transfer_id, entry.peer = transfer_id, peer
+        entry.claim_by = math.inf
+
+    def push(self, request_id: str, transfer_id: str, peer: str, now: float) -> Entry:
+        entry = self._open(Entry(Kind.PUSH, request_id, peer=peer, transfer_id=transfer_id,
+                                 opened_at=now))
+        self.pushes.add(entry)
+        return entry
+
+    def offer(self, request_id: str, transfer_id: str, lease_s: float, now: float) -> Entry:
+        if request_id in self.offers:
+            raise DuplicateRequestError(f"request {request_id!r} is already offered",
+                                        request_id=request_id)
+        entry = self._open(Entry(Kind.OFFER, request_id, transfer_id=transfer_id, opened_at=now,
+                                 lease_s=lease_s, lease_until=now + lease_s))
+        self.offers[request_id] = entry
+        return entry
+
+    def serve(self, entry: Entry, peer: str, now: float) -> None:
+        """The offer is being pulled by ``peer``; its lease keeps running."""
+        assert entry.kind is Kind.OFFER and entry.ending is None
+        entry.kind, entry.peer = Kind.SERVE, peer
+        entry.lease_until = now + entry.lease_s
+
+    def pull(self, src: str, request_id: str, now: float) -> Entry:
+        key = (src, request_id)
+        if key in self.pulls:
+            raise DuplicateRequestError(f"{request_id!r} at {src} is already being pulled",
+                                        request_id=request_id, peer=src)
+        entry = self._open(Entry(Kind.PULL, request_id, peer=src, opened_at=now))
+        self.pulls[key] = entry
+        return entry
+
+    def keep(self, src: str, request_id: str, now: float) -> Entry:
+        key = (src, request_id)
+        if key in self.leases or key in self.pulls:
+            raise DuplicateRequestError(f"{request_id!r} at {src} is already kept or pulled",
+                                        request_id=request_id, peer=src)
+        entry = self._open(Entry(Kind.LEASE, request_id, peer=src, opened_at=now))
+        self.leases[key] = entry
+        return entry
+
+    def streaming(self, entry: Entry, transfer_id: str, now: float,
+                  deadline_s: float | None) -> None:
+        """A stream now runs for ``entry``; the transfer's deadline counts from ``now``."""
+        entry.streaming = True
+        entry.transfer_id = transfer_id
+        entry.limit_s = deadline_s or self.transfer_timeout_s
+        entry.deadline = now + entry.limit_s
+        if not entry.finished:
+            self.streams[transfer_id] = entry
+
+    def received_all(self, entry: Entry) -> None:
+        entry.received = True
+
+    # -- leases ----------------------------------------------------------------------
+    def renew(self, by: str, request_ids: Iterable[str], now: float) -> tuple[list[str], float]:
+        """Source side: a keeper renewed these offers; returns (unknown, shortest lease)."""
+        unknown: list[str] = []
+        leases: list[float] = []
+        for rid in request_ids:
+            entry = self.offers.get(rid)
+            if entry is None:
+                unknown.append(rid)
+                continue
+            entry.lease_until = now + entry.lease_s
+            entry.keepers.add(by)
+            leases.append(entry.lease_s)
+        return unknown, min(leases, default=self.lease_s)
+
+    def confirmed_lease(self, entry: Entry, lease_s: float) -> None:
+        """The source answered ``keep``: from now on its death loses the lease."""
+        entry.confirmed = True
+        self.note_lease(entry.peer, lease_s)
+
+    def note_lease(self, src: str, lease_s: float) -> None:
+        """Destination side: ``src`` holds what we keep for ``lease_s``; renew in time."""
+        lease = lease_s or self.lease_s
+        self.peer_lease[src] = min(self.peer_lease.get(src, lease), lease)
+        if src in self._renewing:  # the answer in flight may not cover it: keep the shorter
+            self._noted[src] = min(self._noted.get(src, lease), lease)
+
+    def renewed(self, src: str, now: float, lease_s: float | None = None) -> None:
+        """A renewal at ``src`` is over (answered or not); with its lease if it answered."""
+        self._renewing.discard(src)
+        noted = self._noted.pop(src, math.inf)
+        if lease_s is not None:
+            self.counts["renewals_sent"] += 1
+            self.peer_lease[src] = min(lease_s or self.lease_s, noted)
+        elif noted < math.inf:
+            self.peer_lease[src] = min(self.peer_lease.get(src, noted), noted)
+
+    def release_lease(self, entry: Entry) -> bool:
+        """Stop keeping a lease (released, or a pull took it over); False if already gone."""
+        return self.drop(entry)
+
+    def drop(self, entry: Entry) -> bool:
+        """Forget ``entry`` uncounted: a lease let go, a pull that never got a transfer."""
+        if entry.finished:
+            return False
+        self._forget(entry)
+        return True
+
+    # -- ending ----------------------------------------------------------------------
+    def end(self, entry: Entry, state: TransferState, reason: str,
+            cause: EndCause | None = None, *, peer_dead: bool = False,
+            tell: bool = True) -> list[Action]:
+        """Decide ``entry``'s end. The first decision wins; a later one only escalates a
+        stream's stop to "the peer is dead" (its endpoint must be aborted)."""
+        if entry.finished:
+            return []
+        cause = cause or EndCause.of(state, reason)
+        if entry.ending is not None:
+            if peer_dead and entry.streaming and not entry.peer_dead:
+                entry.peer_dead = True
+                return [Stop(entry, state, reason, cause, peer_dead=True)]
+            return []
+        entry.ending = (state, reason)
+        entry.peer_dead = peer_dead
+        self._unindex(entry)
+        actions: list[Action] = []
+        if entry.kind is Kind.LEASE:
+            self._forget(entry)
+            return [LoseLease(entry, reason, cause)]
+        if tell and entry.kind is Kind.OFFER:  # a pull's puller is its peer: it knows
+            actions += [TellKeeper(k, entry.request_id, reason) for k in sorted(entry.keepers)]
+        if entry.streaming:
+            actions.append(Stop(entry, state, reason, cause, peer_dead=peer_dead))
+        else:
+            actions.append(Finish(entry, state, reason, cause))
+        return actions
+
+    def finished(self, entry: Entry, state: TransferState) -> bool:
+        """The entry's transfer ended (its release hook): out of the book, counted, once."""
+        if entry.finished:
+            return False
+        self._forget(entry)
+        if state.value in self.counts:
+            self.counts[state.value] += 1
+        return True
+
+    def _unindex(self, entry: Entry) -> None:
+        tables: dict[Kind, dict[Any, Entry]] = {
+            Kind.OFFER: self.offers, Kind.SERVE: self.offers, Kind.PULL: self.pulls,
+            Kind.LEASE: self.leases}
+        table = tables.get(entry.kind, self.receiving)
+        key = (entry.peer, entry.request_id) if entry.kind in (Kind.PULL, Kind.LEASE) \
+            else entry.request_id
+        if table.get(key) is entry:
+            del table[key]
+
+    def _forget(self, entry: Entry) -> None:
+        entry.finished = True
+        self._unindex(entry)
+        self.pushes.discard(entry)
+        if self.streams.get(entry.transfer_id) is entry:
+            del self.streams[entry.transfer_id]
+        if self.live.pop(entry, False) is None:
+            self._active -= entry.kind is not Kind.LEASE
+
+    def end_all(self, reason: str, cause: EndCause = EndCause.SHUTDOWN, *,
+                leases: bool = False) -> list[Action]:
+        """Abort everything (shutdown, memory unregistered); leases too if asked."""
+        actions: list[Action] = []
+        for entry in list(self.live):
+            if entry.kind is not Kind.LEASE or leases:
+                actions += self.end(entry, TransferState.ABORTED, reason, cause)
+        return actions
+
+    # -- peers and time ----------------------------------------------------------------
+    def _needs_peer(self, entry: Entry) -> bool:
+        if entry.kind is Kind.LEASE:
+            return entry.confirmed
+        return entry.streaming and not entry.received
+
+    def peer_lost(self, peer: str, why: str, alive: Alive) -> list[Action]:
+        """``peer`` is gone: fail what depends on it, release offers only it kept."""
+        reason = f"peer lost: {why}"
+        actions: list[Action] = []
+        for entry in list(self.live):
+            if entry.peer == peer and self._needs_peer(entry):
+                actions += self.end(entry, TransferState.FAILED, reason, EndCause.PEER_LOST,
+                                    peer_dead=True)
+        return actions + self._orphaned(alive)
+
+    def _orphaned(self, alive: Alive) -> list[Action]:
+        actions: list[Action] = []
+        for entry in list(self.offers.values()):
+            if entry.kind is Kind.OFFER and entry.keepers and \
+                    not any(alive(k) for k in entry.keepers):
+                actions += self.end(
+                    entry, TransferState.FAILED, "peer lost: every instance keeping its lease "
+                    f"({', '.join(sorted(entry.keepers))}) is gone", EndCause.PEER_LOST,
+                    tell=False)
+        return actions
+
+    def peers(self) -> set[str]:
+        """Peers whose death would end something here (the timer watches these)."""
+        out = {e.peer for e in self.live if e.peer and self._needs_peer(e)}
+        for entry in self.offers.values():
+            out |= entry.keepers
+        return out
+
+    def tick(self, now: float, alive: Alive, why_dead: Callable[[str], str]) -> list[Action]:
+        """Everything due at ``now``: expiries, deadlines, dead peers, renewals."""
+        actions = self._orphaned(alive)
+        for entry in list(self.live):
+            if entry.ending is not None and (entry.peer_dead or not entry.streaming):
+                continue  # a stopping stream still learns that its peer died (once)
+            if entry.peer and self._needs_peer(entry) and not alive(entry.peer):
+                actions += self.peer_lost(entry.peer, why_dead(entry.peer), alive)
+            elif entry.ending is not None:
+                continue
+            elif entry.kind is Kind.OFFER and now > entry.lease_until:
+                actions += self.end(entry, TransferState.EXPIRED, f"lease of {entry.lease_s}s "
+                                    "expired: nobody pulled or renewed it")
+            elif entry.kind is Kind.SERVE and now > entry.lease_until:
+                actions += self.end(entry, TransferState.EXPIRED,
+                                    f"lease of {entry.lease_s}s expired mid-pull")
+            elif now > entry.claim_by:
+                actions += self._unclaimed(entry)
+            elif now > entry.deadline:
+                actions += self.end(entry, TransferState.TIMED_OUT,
+                                    f"not done after {entry.limit_s}s")
+        return actions + self._renewals(now)
+
+    def _unclaimed(self, entry: Entry) -> list[Action]:
+        limit = self.reservation_timeout_s
+        if entry.kind is Kind.STAGED:
+            self.counts["staged_dropped"] += 1
+            why = f"staged push never claimed within {limit}s; dropped"
+        else:
+            why = f"no manifest within {limit}s"
+        return self.end(entry, TransferState.TIMED_OUT, why)
+
+    def _wanted(self) -> dict[str, list[str]]:
+        by_src: dict[str, list[str]] = {}
+        for src, rid in [*self.leases, *self.pulls]:
+            by_src.setdefault(src, []).append(rid)
+        return by_src
+
+    def _renew_at(self, src: str) -> float:
+        period = self.peer_lease.get(src, self.lease_s) * self.renew_every
+        return self._renewed_at.get(src, -math.inf) + period
+
+    def _renewals(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for src, rids in self._wanted().items():
+            if src not in self._renewing and now >= self._renew_at(src):
+                self._renewed_at[src] = now
+                self._renewing.add(src)
+                actions.append(Renew(src, tuple(rids)))
+        return actions
+
+    def next_deadline(self) -> float:
+        """When ``tick`` next has work (inf: nothing is due, ever, until something opens)."""
+        times = [math.inf]
+        for entry in self.live:
+            if entry.ending is None:
+                times += [entry.deadline, entry.claim_by]
+                if entry.kind in (Kind.OFFER, Kind.SERVE):
+                    times.append(entry.lease_until)
+        times += [self._renew_at(src) for src in self._wanted() if src not in self._renewing]
+        return min(times)
+
+    def lookup(self, transfer_id: str) -> Entry | None:
+        return self.streams.get(transfer_id)

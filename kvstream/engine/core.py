@@ -1,0 +1,219 @@
+"""What every part of the engine shares: the book, both ports, memory, the clock.
+
+Each part (``push``, ``admission``, ``offers``, ``pull``, ``keeper``, ``liveness``)
+gets one ``Core`` through its constructor and nothing else of the agent. The core
+performs the book's actions and runs streams, so that every transfer is tracked by the
+book from its first event to its end, and ends exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kvstream._exceptions import ClosedError, ConfigError, KVStreamError
+from kvstream.control import messages as m
+from kvstream.control.aborts import request_abort
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane.stream import Stream, StreamEnv
+from kvstream.engine.book import Action, Book, Entry, Finish, LoseLease, Stop, TellKeeper
+from kvstream.transfer.state import EndCause, TransferResult, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.config import AgentConfig
+    from kvstream.control.port import ControlPort
+    from kvstream.control.registry import Registry
+    from kvstream.dataplane.staging import StagingPool
+    from kvstream.dataplane.transport import Transport
+    from kvstream.memory import RegisteredKV
+    from kvstream.transfer.handles import ReceiveHandle
+    from kvstream.transfer.state import Transfer
+
+__all__ = ["Core"]
+
+log = logging.getLogger("kvstream.agent")
+
+Spawn = Callable[..., Any]
+
+
+def _prepare_codec(mem: RegisteredKV) -> None:
+    from kvstream.quant.codec import prepare
+
+    try:
+        prepare(mem)
+    except Exception as exc:  # the first FP8 transfer reports it properly
+        log.warning("preparing the codec kernel failed: %s", exc)
+
+
+class Core:
+    def __init__(self, config: AgentConfig, *, registry: Registry, staging: StagingPool,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.instance_id = config.instance_id
+        self.subjects = Subjects(config.namespace)
+        self.registry = registry
+        self.staging = staging
+        self.clock = clock
+        self.book = Book(max_transfers=config.max_transfers,
+                         reservation_timeout_s=config.reservation_timeout_s,
+                         transfer_timeout_s=config.transfer_timeout_s, lease_s=config.lease_s)
+        self.memory: RegisteredKV | None = None
+        self._control: ControlPort | None = None
+        self._transport: Transport | None = None
+        self._spawn: Spawn | None = None
+        self.wake: Callable[[], None] = lambda: None  # the timer: a deadline may be sooner
+        self.lease_lost: Callable[[LoseLease], None] = lambda action: None  # the keeper's
+
+    def attach(self, control: ControlPort, transport: Transport, spawn: Spawn) -> None:
+        self._control, self._transport, self._spawn = control, transport, spawn
+
+    @property
+    def control(self) -> ControlPort:
+        if self._control is None:
+            raise ClosedError("the agent is not started (use it as an async context manager)")
+        return self._control
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            raise ClosedError("the agent is not started (use it as an async context manager)")
+        return self._transport
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._spawn is None:
+            raise ClosedError("the agent is not started (use it as an async context manager)")
+        self._spawn(fn, *args)
+
+    def register(self, mem: RegisteredKV) -> RegisteredKV:
+        if self.memory is not None:
+            raise ConfigError("KV memory is already registered with this agent")
+        self.memory = mem
+        self.staging.device = str(mem.device)
+        if self.config.codec != "none" or set(self.config.accept_codecs) - {"none"}:
+            # Build the codec kernel now, off the event loop, not under the first transfer.
+            threading.Thread(target=_prepare_codec, args=(mem,), daemon=True,
+                             name="kvstream-codec-build").start()
+        return mem
+
+    async def end_all(self, reason: str, timeout: float = math.inf) -> None:
+        """Abort everything but kept leases; return once every stream has stopped."""
+        streams = [e.runner for e in self.book.live if e.runner is not None]
+        self.perform(self.book.end_all(reason, EndCause.SHUTDOWN))
+        with anyio.move_on_after(timeout):
+            for stream in streams:
+                await stream.stopped.wait()
+
+    def mem(self) -> RegisteredKV:
+        if self.memory is None:
+            raise ConfigError("register KV memory (Agent.register_kv) before transferring")
+        return self.memory
+
+    # -- the book's actions ------------------------------------------------------------
+    def track(self, entry: Entry, handle: Any) -> None:
+        """Bind ``handle``'s transfer to ``entry``: when it ends, the book learns, once."""
+        entry.handle = handle
+        transfer: Transfer = handle.transfer
+        def ended() -> None:
+            self.book.finished(entry, transfer.state)
+
+        transfer.on_release(ended)
+        self.wake()
+
+    def end(self, entry: Entry, state: TransferState, reason: str,
+            cause: EndCause | None = None, **kw: Any) -> None:
+        self.perform(self.book.end(entry, state, reason, cause, **kw))
+
+    def perform(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            match action:
+                case Stop(entry=entry, state=state, reason=reason, cause=cause):
+                    entry.runner.stop(state, reason, peer_dead=action.peer_dead, cause=cause,
+                                      by_peer=cause is EndCause.PEER_ABORT)
+                case Finish(entry=entry, state=state, reason=reason, cause=cause):
+                    if entry.handle is None:
+                        self.book.finished(entry, state)
+                    else:
+                        entry.handle.transfer.finish(state, reason, cause)
+                case TellKeeper():
+                    self.spawn(self._tell_keeper, action)
+                case LoseLease():
+                    self.lease_lost(action)
+                case _:  # Renew is the timer's
+                    raise AssertionError(f"{action} is not the core's to perform")
+
+    async def _tell_keeper(self, action: TellKeeper) -> None:
+        with contextlib.suppress(KVStreamError):
+            await self.control.publish(self.subjects.control(action.keeper), m.Abort(
+                transfer_id="", request_id=action.request_id, reason=action.reason,
+                by=self.instance_id))
+
+    # -- peers ---------------------------------------------------------------------------
+    async def request_abort(self, peer: str, transfer_id: str, reason: str, *,
+                            request_id: str = "") -> bool:
+        return await request_abort(self.control, self.subjects, peer, reason=reason,
+                                   by=self.instance_id, timeout=self.config.request_timeout_s,
+                                   transfer_id=transfer_id, request_id=request_id)
+
+    async def publish_done(self, peer: str, result: TransferResult) -> None:
+        with contextlib.suppress(KVStreamError):
+            await self.control.publish(self.subjects.control(peer), m.Done(
+                transfer_id=result.transfer_id, request_id=result.request_id,
+                status=result.status.value,  # type: ignore[arg-type]  # terminal: a Status
+                reason=result.reason, bytes=result.bytes,
+                layers=result.layers, bytes_skipped=result.bytes_skipped))
+
+    # -- streams ---------------------------------------------------------------------------
+    def count(self, key: str, n: int) -> None:
+        self.book.counts[key] += n
+
+    def env(self) -> StreamEnv:
+        return StreamEnv(config=self.config, transport=self.transport, memory=self.mem(),
+                         staging=self.staging, request_abort=self.request_abort,
+                         publish_done=self.publish_done, count=self.count,
+                         peer_alive=self.registry.alive)
+
+    def run_stream(self, entry: Entry, stream: Stream, deadline_s: float | None) -> None:
+        """Start ``stream`` for ``entry``; whatever happens to it, its transfer ends."""
+        t = stream.transfer
+        entry.runner = stream
+        self.book.streaming(entry, t.transfer_id, self.clock(), deadline_s)
+        if hasattr(stream, "on_received"):
+            stream.on_received = lambda: self.book.received_all(entry)
+        self.wake()
+
+        async def run() -> None:
+            try:
+                await stream.run()
+            except Exception:  # one transfer's bug must not take the agent down
+                log.exception("%r ended with an unexpected error", t)
+            finally:
+                t.finish(TransferState.FAILED, "stream ended without an outcome")
+
+        self.spawn(run)
+
+    def complete_empty(self, t: Transfer, handle: ReceiveHandle | None = None) -> None:
+        """Every block was already at the destination: done without moving a byte."""
+        for layer in range(t.num_layers):
+            if handle is not None:
+                handle.mark_layer(layer)
+            else:
+                t.layer_done(layer)
+        t.finish(TransferState.COMPLETED, "every block already at the destination")
+
+    def aborter(self, entry: Entry) -> Callable[[str], Awaitable[None]]:
+        """What a handle's ``abort()`` does: end its entry here, wait for its stream."""
+        return lambda reason: self.stop_and_wait(entry, TransferState.ABORTED, reason,
+                                                 EndCause.ENGINE_ABORT)
+
+    async def stop_and_wait(self, entry: Entry, state: TransferState, reason: str,
+                            cause: EndCause | None = None) -> None:
+        """End ``entry`` and return once its stream (if any) has stopped."""
+        self.end(entry, state, reason, cause)
+        if entry.runner is not None:
+            await entry.runner.stopped.wait()

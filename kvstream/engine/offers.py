@@ -1,0 +1,155 @@
+"""Offers, the source side of a pull: hold blocks under a lease, serve the pull, renew.
+
+One job: ``offer()`` holds a request's blocks; a ``Pull`` is checked and answered with
+the manifest, then the send stream runs; ``Renew`` keeps offers alive; an ``Abort`` by
+request id ends an offer. Expiry and dead keepers are the book's rules (``tick``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import SpanKind
+
+from kvstream import telemetry
+from kvstream._exceptions import ConfigError
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.send import SendStream
+from kvstream.engine.book import Kind
+from kvstream.engine.rules import (
+    PUSH_MODES,
+    check_hashes,
+    check_mode,
+    layout_mismatch,
+    shrink,
+    without,
+)
+from kvstream.memory import is_run
+from kvstream.prefix import skipped_indices
+from kvstream.quant.scheme import effective_codec, wire_fingerprint
+from kvstream.transfer.handles import SendHandle
+from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
+
+if TYPE_CHECKING:
+    from kvstream.engine.core import Core
+
+__all__ = ["Offers"]
+
+log = logging.getLogger("kvstream.agent")
+
+
+class Offers:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    def offer(self, request_id: str, src_blocks: Sequence[int], *,
+              block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
+              lease_s: float | None = None) -> SendHandle:
+        core = self.core
+        mem = core.mem()
+        check_mode(mode, PUSH_MODES)
+        blocks = mem.block_map(src_blocks, what="source block")
+        hashes = check_hashes(block_hashes, len(blocks))
+        lease = core.config.lease_s if lease_s is None else lease_s
+        if not lease > 0:
+            raise ConfigError("lease_s must be positive")
+        transfer_id = uuid.uuid4().hex
+        entry = core.book.offer(request_id, transfer_id, lease, core.clock())
+        t = Transfer(transfer_id=transfer_id, request_id=request_id, side=Side.SEND,
+                     peer="", num_layers=mem.layout.num_layers,
+                     layer_bytes=mem.planes * mem.plane_bytes(len(blocks)), clock=core.clock)
+        handle = SendHandle(t, core.aborter(entry), eager=mode == "eager", blocks=blocks)
+        handle.block_hashes = hashes
+        core.track(entry, handle)
+        return handle
+
+    async def on_pull(self, msg: m.Pull, headers: dict[str, str] | None = None
+                      ) -> m.ControlMessage:
+        def reject(code: m.RejectCode, reason: str) -> m.Reject:
+            log.warning("refused pull of %s by %s: %s", msg.request_id, msg.dst, reason)
+            return m.Reject(transfer_id="", code=code, reason=reason)
+
+        core = self.core
+        mem = core.memory
+        if mem is None:
+            return reject("unknown_request", f"{core.instance_id} has no registered KV memory")
+        try:
+            codec = effective_codec(msg.codec, mem.layout)
+        except ConfigError as exc:
+            return reject("incompatible", str(exc))
+        # Verbatim bytes need the same layout; a codec, the same wire format.
+        theirs = msg.fingerprint if codec == "none" else msg.wire_fingerprint
+        if (why := layout_mismatch(mem, theirs, msg.num_layers, codec)) is not None:
+            return reject("incompatible", why)
+        try:
+            Subjects.check_instance_id(msg.dst)
+        except ConfigError as exc:
+            return reject("malformed", str(exc))
+        entry = core.book.offers.get(msg.request_id)
+        if entry is None or entry.kind is not Kind.OFFER:
+            return reject("unknown_request", f"{core.instance_id} holds no KV for "
+                          f"{msg.request_id!r} (never offered, expired, aborted or pulled)")
+        handle: SendHandle = entry.handle
+        full = handle.blocks
+        if len(msg.dst_blocks) != len(full):
+            return reject("invalid_blocks", f"{len(msg.dst_blocks)} destination blocks for the "
+                          f"{len(full)} blocks offered for {msg.request_id!r}")
+        skip = skipped_indices(handle.block_hashes, msg.have)
+        core.book.serve(entry, msg.dst, core.clock())
+        t = handle.transfer
+        t.peer = msg.dst
+        t.started_at = core.clock()  # the transfer deadline counts from the pull
+        t.deadline_s = msg.deadline_s
+        t.codec = codec
+        telemetry.trace_transfer(t, telemetry.open_span(
+            "kvstream.serve_pull", parent=telemetry.context_from(headers),
+            kind=SpanKind.PRODUCER, request_id=t.request_id, transfer_id=t.transfer_id,
+            side="send", peer=msg.dst, codec=codec, blocks=len(full)))
+        handle.blocks = full.without(skip)
+        shrink(t, mem, len(full), len(handle.blocks))
+        core.count("bytes_skipped", t.bytes_skipped)
+        src_tag = wire.next_xfer_tag()
+        manifest = m.Manifest(
+            transfer_id=t.transfer_id, request_id=t.request_id, src=core.instance_id,
+            dst=msg.dst, src_address=core.transport.address, src_tag=src_tag,
+            fingerprint=wire_fingerprint(mem.layout, codec), num_layers=t.num_layers,
+            src_blocks=full.ids, dst_blocks=list(msg.dst_blocks),
+            mode="eager" if handle.eager else "pipelined", codec=codec,
+            payload_bytes=t.layer_bytes * t.num_layers, deadline_s=msg.deadline_s,
+            block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
+            lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [])
+        core.registry.contact(msg.dst)
+        if not handle.blocks:
+            core.complete_empty(t)
+            return manifest
+        stream = SendStream(core.env(), handle, peer_address=msg.dst_address, src_tag=src_tag,
+                            dst_tag=msg.dst_tag,
+                            dst_contiguous=is_run(without(msg.dst_blocks, skip)))
+        core.run_stream(entry, stream, msg.deadline_s)
+        return manifest
+
+    def on_renew(self, msg: m.Renew) -> m.ControlMessage:
+        unknown, lease = self.core.book.renew(msg.by, msg.request_ids, self.core.clock())
+        self.core.registry.contact(msg.by)
+        return m.RenewAck(unknown=unknown, lease_s=lease)
+
+    def on_abort(self, msg: m.Abort) -> None:
+        """An Abort naming no running transfer, for an offer: its keeper gave it up, a pull
+        failed after it was sent, or an operator (the proxy) released it."""
+        core = self.core
+        entry = core.book.offers.get(msg.request_id)
+        if entry is None:
+            return
+        reason = f"aborted by {msg.by}: {msg.reason}"
+        if entry.kind is Kind.OFFER and msg.transfer_id in ("", entry.transfer_id):
+            # Anyone may end an offer nobody pulls yet; keepers other than the sender learn
+            # now, not at their next renewal.
+            core.end(entry, TransferState.ABORTED, reason, EndCause.PEER_ABORT,
+                     tell=bool(entry.keepers - {msg.by}))
+        elif entry.kind is Kind.SERVE and not msg.transfer_id and entry.peer == msg.by:
+            core.end(entry, TransferState.ABORTED, reason, EndCause.PEER_ABORT)

@@ -1,0 +1,54 @@
+"""Opening the agent's two ports when it was not handed them: NATS and UCX.
+
+The only place the engine names its production implementations; everything else sees
+``ControlPort`` and ``Transport``, so a test can pass in-memory ones instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream.control.nats_server import DEFAULT_NATS_URL, EmbeddedNats, is_listening
+
+if TYPE_CHECKING:
+    from kvstream.config import AgentConfig
+    from kvstream.control.port import ControlPort
+    from kvstream.dataplane.transport import Transport
+
+__all__ = ["open_control", "open_transport"]
+
+
+async def _shielded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) -> None:
+    """Run a release step even when the owner is being cancelled, bounded in time."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+        await close()
+
+
+async def open_control(cfg: AgentConfig, stack: contextlib.AsyncExitStack
+                       ) -> tuple[ControlPort, str]:
+    """Connect to ``cfg.nats_url`` (default: a local server, embedded if none listens);
+    returns the port and the URL it reached."""
+    from kvstream.control.bus import ControlBus
+
+    url = cfg.nats_url
+    if url is None:
+        url = DEFAULT_NATS_URL
+        if not is_listening(url):
+            nats = EmbeddedNats(port=4222).start()
+            stack.callback(nats.stop)
+    bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}")
+    stack.push_async_callback(_shielded, bus.close)
+    return bus, url
+
+
+async def open_transport(cfg: AgentConfig, stack: contextlib.AsyncExitStack) -> Transport:
+    from kvstream.dataplane.ucx import UcxWorker
+
+    worker = await UcxWorker.open(progress_mode=cfg.progress_mode,
+                                  error_handling=cfg.ucx_error_handling)
+    stack.push_async_callback(_shielded, worker.close)
+    return worker

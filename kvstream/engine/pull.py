@@ -1,0 +1,184 @@
+"""Pulls, the destination side: ask the source, check its manifest, receive.
+
+One job: send the ``Pull``, check the manifest the source answers with, take over a lease
+kept for the same request, and start the receive stream (eager, or lazy: a layer when
+the engine waits for it). The data moves exactly as in a push; only who sends the
+manifest differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+from opentelemetry.trace import SpanKind
+
+from kvstream import telemetry
+from kvstream._exceptions import (
+    ConfigError,
+    IncompatiblePeerError,
+    NoPeerError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+)
+from kvstream.config import check_timeout
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.recv import RecvStream
+from kvstream.engine.rules import (
+    PULL_MODES,
+    REJECT_ERRORS,
+    check_mode,
+    check_skip,
+    layout_mismatch,
+    shrink,
+    without,
+)
+from kvstream.memory import is_run
+from kvstream.quant.scheme import effective_codec, wire_fingerprint
+from kvstream.transfer.handles import ReceiveHandle
+from kvstream.transfer.state import Side, Transfer, TransferState
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+    from kvstream.engine.book import Entry
+    from kvstream.engine.core import Core
+    from kvstream.memory import BlockMap
+
+__all__ = ["Puller"]
+
+
+class Puller:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def pull(self, request_id: str, src_instance: str, dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
+                   timeout: float | None = None, codec: str | None = None,
+                   trace_context: Context | None = None) -> ReceiveHandle:
+        core = self.core
+        mem = core.mem()
+        want_codec = effective_codec(codec or core.config.codec, mem.layout)
+        if want_codec not in core.config.accept_codecs:
+            raise ConfigError(f"codec {want_codec!r} is not in this agent's accept_codecs "
+                              f"({', '.join(core.config.accept_codecs)})")
+        check_mode(mode, PULL_MODES)
+        Subjects.check_instance_id(src_instance)
+        check_timeout(timeout)
+        blocks = mem.block_map(dst_blocks, what="destination block")
+        entry = core.book.pull(src_instance, request_id, core.clock())
+        span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
+                                   request_id=request_id, side="recv", peer=src_instance,
+                                   mode=mode, codec=want_codec, blocks=len(blocks))
+        try:
+            return await self._pull(entry, span, blocks, mode, list(have), lookahead,
+                                    timeout or core.config.transfer_timeout_s, want_codec)
+        except BaseException as exc:
+            telemetry.end_untracked(span, exc)
+            core.book.drop(entry)  # never got its transfer (or it already ended)
+            raise
+
+    async def _ask(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
+                   have: list[int], deadline: float, want_codec: str,
+                   dst_tag: int) -> m.ControlUnion:
+        core = self.core
+        mem = core.mem()
+        src = entry.peer
+        try:
+            with telemetry.step(span, "kvstream.manifest", peer=src):
+                return await core.control.request(
+                    core.subjects.control(src),
+                    m.Pull(request_id=entry.request_id, src=src, dst=core.instance_id,
+                           dst_address=core.transport.address, dst_tag=dst_tag,
+                           fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
+                           dst_blocks=blocks.ids, have=have, mode=mode,  # type: ignore[arg-type]
+                           deadline_s=deadline, codec=want_codec,
+                           wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
+                    timeout=core.config.request_timeout_s, peer=src,
+                    headers=telemetry.headers_of(span))
+        except BaseException as exc:
+            # The source may have started sending anyway: stop it (and the offer) rather than
+            # leave it waiting for credits that never come.
+            if not (isinstance(exc, NoPeerError) and exc.no_responders):
+                with anyio.CancelScope(shield=True), \
+                        anyio.move_on_after(core.config.request_timeout_s):
+                    await core.request_abort(src, "", f"pull failed: {exc!r}",
+                                             request_id=entry.request_id)
+            raise
+
+    def _check(self, reply: m.ControlUnion, entry: Entry, nblocks: int,
+               want_codec: str) -> m.Manifest:
+        core, src, rid = self.core, entry.peer, entry.request_id
+        if isinstance(reply, m.Reject):
+            telemetry.count_refused("recv", reply.code)
+            kind = REJECT_ERRORS.get(reply.code, TransferError)
+            raise kind(f"{src} refused the pull of {rid!r}: {reply.reason}")
+        if not isinstance(reply, m.Manifest) or reply.request_id != rid \
+                or not reply.transfer_id or len(reply.src_blocks) != nblocks:
+            raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
+        check_skip(reply.skip, nblocks)
+        asked = reply.codec in (want_codec, "none")
+        why = layout_mismatch(core.mem(), reply.fingerprint, reply.num_layers, reply.codec,
+                                         reply.cache_scales)
+        if not asked or reply.codec not in core.config.accept_codecs or why:
+            raise IncompatiblePeerError(
+                f"{src} answered the pull of {rid!r} with codec {reply.codec!r}: "
+                f"{why if asked else 'not asked for'}")
+        if entry.ending is not None:  # ended while asking (shutdown, unregister)
+            raise TransferAbortedError(f"pull of {rid!r} ended: {entry.ending[1]}",
+                                       request_id=rid, peer=src)
+        return reply
+
+    async def _pull(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
+                    have: list[int], lookahead: int, deadline: float,
+                    want_codec: str) -> ReceiveHandle:
+        core = self.core
+        src, request_id = entry.peer, entry.request_id
+        dst_tag = wire.next_xfer_tag()
+        reply = await self._ask(entry, span, blocks, mode, have, deadline, want_codec, dst_tag)
+        try:
+            manifest = self._check(reply, entry, len(blocks), want_codec)
+        except (ProtocolError, TransferAbortedError):
+            if isinstance(reply, m.Manifest) and reply.transfer_id:
+                await core.request_abort(src, reply.transfer_id, "bad pull answer")
+            raise
+        kept_lease = core.book.leases.get((src, request_id))
+        if kept_lease is not None:  # kept before or during the pull: taken over
+            core.book.release_lease(kept_lease)
+            kept_lease.handle._hand_over()
+        core.book.note_lease(src, manifest.lease_s)
+        core.registry.contact(src)
+        mem = core.mem()
+        kept = blocks.without(manifest.skip)
+        t = Transfer(transfer_id=manifest.transfer_id, request_id=request_id, side=Side.RECV,
+                     peer=src, num_layers=mem.layout.num_layers, layer_bytes=0,
+                     clock=core.clock)
+        t.codec = manifest.codec
+        telemetry.trace_transfer(t, span)
+        span.set_attribute("kvstream.transfer_id", t.transfer_id)
+        shrink(t, mem, len(blocks), len(kept))
+        t.deadline_s = deadline
+        core.count("bytes_skipped", t.bytes_skipped)
+        handle = ReceiveHandle(t, core.aborter(entry), blocks=kept, lazy=mode == "lazy",
+                               lookahead=lookahead)
+        core.track(entry, handle)
+        if not kept:
+            core.complete_empty(t, handle)
+            return handle
+        try:
+            stream = RecvStream(core.env(), handle, peer_address=manifest.src_address,
+                                src_tag=manifest.src_tag, dst_tag=dst_tag,
+                                src_contiguous=is_run(without(manifest.src_blocks,
+                                                              manifest.skip)),
+                                nblocks=len(kept))
+        except Exception as exc:  # e.g. the memory was unregistered meanwhile
+            t.finish(TransferState.FAILED, str(exc))
+            await core.request_abort(src, t.transfer_id, str(exc))
+            raise
+        core.run_stream(entry, stream, deadline)
+        return handle

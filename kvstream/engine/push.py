@@ -1,0 +1,174 @@
+"""Pushes, the prefill side: offer the manifest, then stream on acceptance.
+
+One job: validate a push here, offer it to the destination (retrying while it answers
+"busy"), map its answer (accept, skip list, reject) and start the send stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import stamina
+from opentelemetry.trace import SpanKind
+
+from kvstream import telemetry
+from kvstream._exceptions import (
+    InvalidBlockError,
+    ProtocolError,
+    TransferAbortedError,
+    TransferError,
+)
+from kvstream.config import check_timeout
+from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
+from kvstream.dataplane.send import SendStream
+from kvstream.engine.rules import (
+    PUSH_MODES,
+    REJECT_ERRORS,
+    check_hashes,
+    check_mode,
+    check_skip,
+    shrink,
+    without,
+)
+from kvstream.memory import is_run
+from kvstream.quant.scheme import effective_codec, wire_fingerprint, wire_layer_bytes
+from kvstream.transfer.handles import SendHandle
+from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from kvstream.engine.core import Core
+
+__all__ = ["Pusher"]
+
+
+class _Busy(Exception):
+    """A destination's "busy" answer, retried with backoff (internal)."""
+
+
+class Pusher:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def push(
+        self, request_id: str, dst_instance: str, src_blocks: Sequence[int], *,
+        dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
+        timeout: float | None = None, block_hashes: Sequence[int] | None = None,
+        codec: str | None = None, trace_context: Context | None = None,
+    ) -> SendHandle:
+        core = self.core
+        mem = core.mem()
+        check_mode(mode, PUSH_MODES)
+        Subjects.check_instance_id(dst_instance)
+        check_timeout(timeout)
+        blocks = mem.block_map(src_blocks, what="source block")
+        if dst_blocks is not None and len(dst_blocks) != len(blocks):
+            raise InvalidBlockError(f"{len(blocks)} source blocks but {len(dst_blocks)} destination"
+                                    " blocks", block_ids=list(dst_blocks))
+        hashes = check_hashes(block_hashes, len(blocks))
+        wire_codec = effective_codec(codec or core.config.codec, mem.layout)
+        transfer_id = uuid.uuid4().hex
+        entry = core.book.push(request_id, transfer_id, dst_instance, core.clock())
+        transfer = Transfer(transfer_id=transfer_id, request_id=request_id, side=Side.SEND,
+                            peer=dst_instance, num_layers=mem.layout.num_layers,
+                            layer_bytes=wire_layer_bytes(mem.layout, wire_codec, len(blocks)),
+                            clock=core.clock)
+        transfer.deadline_s = timeout
+        transfer.codec = wire_codec
+        span = telemetry.trace_transfer(transfer, telemetry.open_span(
+            "kvstream.push", parent=trace_context, kind=SpanKind.PRODUCER,
+            request_id=request_id, transfer_id=transfer.transfer_id, side="send",
+            peer=dst_instance, mode=mode, codec=wire_codec, blocks=len(blocks)))
+        handle = SendHandle(transfer, core.aborter(entry),
+                            eager=mode == "eager", blocks=blocks)
+        core.track(entry, handle)
+        src_tag = wire.next_xfer_tag()
+        manifest = m.Manifest(
+            transfer_id=transfer.transfer_id, request_id=request_id, src=core.instance_id,
+            dst=dst_instance, src_address=core.transport.address, src_tag=src_tag,
+            fingerprint=wire_fingerprint(mem.layout, wire_codec), num_layers=mem.layout.num_layers,
+            src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []),
+            mode=mode,  # type: ignore[arg-type]  # checked: one of PUSH_MODES
+            codec=wire_codec, payload_bytes=transfer.layer_bytes * transfer.num_layers,
+            deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
+            cache_scales=mem.cache_scales if wire_codec == "none" else [],
+        )
+        try:
+            with telemetry.step(span, "kvstream.manifest", peer=dst_instance):
+                reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
+            self._check_reply(reply, transfer, dst_instance)
+            assert isinstance(reply, m.Accept)
+        except BaseException as exc:  # cancelled too: the transfer must still end, once
+            _fail(transfer, exc)
+            raise
+        core.registry.contact(dst_instance)
+        try:
+            check_skip(reply.skip, len(blocks))
+            if entry.ending is not None:  # ended while negotiating (shutdown, abort)
+                raise TransferAbortedError(f"push of {request_id!r} ended: {entry.ending[1]}",
+                                           request_id=request_id, peer=dst_instance)
+        except (ProtocolError, TransferAbortedError) as exc:
+            await core.request_abort(dst_instance, transfer.transfer_id, str(exc))
+            _fail(transfer, exc)
+            raise
+        if reply.skip:
+            handle.blocks = blocks.without(reply.skip)
+            shrink(transfer, mem, len(blocks), len(handle.blocks))
+            core.count("bytes_skipped", transfer.bytes_skipped)
+            if not handle.blocks:
+                core.complete_empty(transfer)
+                return handle
+        stream = SendStream(core.env(), handle, peer_address=reply.dst_address,
+                            src_tag=src_tag, dst_tag=reply.dst_tag,
+                            dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)))
+        core.run_stream(entry, stream, timeout)
+        return handle
+
+    @staticmethod
+    def _check_reply(reply: m.ControlUnion, transfer: Transfer, dst: str) -> None:
+        if isinstance(reply, m.Reject):
+            raise REJECT_ERRORS.get(reply.code, TransferError)(
+                f"{dst} refused transfer for {transfer.request_id!r}: {reply.reason}")
+        if not isinstance(reply, m.Accept) or reply.transfer_id != transfer.transfer_id:
+            raise ProtocolError(f"unexpected answer to a manifest: {type(reply).__name__}")
+
+    async def _offer(self, manifest: m.Manifest, dst: str,
+                     headers: dict[str, str] | None = None) -> m.ControlUnion:
+        """Send the manifest; while the destination answers "busy" (no reservation yet and a
+        full staging pool) back off and retry, for at most ``staging_wait_s``."""
+        core = self.core
+        reply: m.ControlUnion | None = None
+        try:
+            async for attempt in stamina.retry_context(
+                    on=_Busy, attempts=None, timeout=core.config.staging_wait_s,
+                    wait_initial=0.01, wait_max=0.25, wait_jitter=0.01):
+                with attempt:
+                    reply = await core.control.request(
+                        core.subjects.control(dst), manifest,
+                        timeout=core.config.request_timeout_s, peer=dst, headers=headers)
+                    if isinstance(reply, m.Reject) and reply.code == "busy":
+                        raise _Busy(reply.reason)
+        except _Busy as exc:
+            raise TransferError(f"{dst} stayed busy for {core.config.staging_wait_s}s: {exc}",
+                                request_id=manifest.request_id, peer=dst) from None
+        if reply is None:  # stamina ran no attempt (a zero staging_wait_s)
+            raise TransferError(f"{dst} was not asked: staging_wait_s is 0",
+                                request_id=manifest.request_id, peer=dst)
+        return reply
+
+
+def _fail(transfer: Transfer, exc: BaseException) -> None:
+    """End a push that never streamed; the caller's exception says why."""
+    if isinstance(exc, Exception):
+        cause = EndCause.REFUSED if isinstance(exc, TransferError) and "refused" in str(exc) \
+            else EndCause.ERROR
+        transfer.finish(TransferState.FAILED, str(exc), cause)
+    else:
+        transfer.finish(TransferState.FAILED, str(TransferAbortedError(
+            "push cancelled by the caller")), EndCause.ENGINE_ABORT)
+

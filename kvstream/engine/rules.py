@@ -1,0 +1,80 @@
+"""Small rules every part of the engine applies alike: block lists, skips, reject codes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+from kvstream._exceptions import (
+    ConfigError,
+    IncompatiblePeerError,
+    InvalidBlockError,
+    KVStreamError,
+    ProtocolError,
+)
+from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint, wire_layer_bytes
+
+if TYPE_CHECKING:
+    from kvstream.memory import RegisteredKV
+    from kvstream.transfer.state import Transfer
+
+__all__ = ["PULL_MODES", "PUSH_MODES", "REJECT_ERRORS", "check_hashes", "check_mode",
+           "check_skip", "layout_mismatch", "shrink", "without"]
+
+PUSH_MODES: Final = ("pipelined", "eager")
+PULL_MODES: Final = ("eager", "lazy")
+
+# What a peer's Reject code means to the engine (push and pull alike).
+REJECT_ERRORS: Final[dict[str, type[KVStreamError]]] = {
+    "incompatible": IncompatiblePeerError,
+    "invalid_blocks": InvalidBlockError,
+    "malformed": ProtocolError,
+}
+
+
+def check_mode(mode: str, modes: Sequence[str]) -> None:
+    if mode not in modes:
+        raise ConfigError(f"mode must be one of {tuple(modes)}, got {mode!r}")
+
+
+def without(ids: Sequence[int], skip: Sequence[int]) -> list[int]:
+    drop = set(skip)
+    return [b for i, b in enumerate(ids) if i not in drop]
+
+
+def check_skip(skip: Sequence[int], nblocks: int) -> None:
+    """A peer's skip list must name distinct positions of this transfer's blocks."""
+    if len(set(skip)) != len(skip) or any(not 0 <= i < nblocks for i in skip):
+        raise ProtocolError(f"skip list {list(skip)[:8]} does not index {nblocks} blocks")
+
+
+def shrink(t: Transfer, mem: RegisteredKV, total: int, kept: int) -> None:
+    """Account a transfer for only the blocks that move (in wire bytes of its codec); the
+    rest counts as skipped (in engine bytes)."""
+    t.layer_bytes = wire_layer_bytes(mem.layout, t.codec, kept)
+    t.bytes_skipped = mem.planes * mem.plane_bytes(total - kept) * t.num_layers
+
+
+def check_hashes(block_hashes: Sequence[int] | None, nblocks: int) -> list[int]:
+    hashes = list(block_hashes or [])  # the first blocks' (a partial last block has none)
+    if len(hashes) > nblocks:
+        raise InvalidBlockError(f"{len(hashes)} block hashes for {nblocks} blocks")
+    return hashes
+
+
+def layout_mismatch(mem: RegisteredKV, fingerprint: str, num_layers: int, codec: str = "none",
+                    cache_scales: Sequence[float] | None = None) -> str | None:
+    """Why a peer's KV, sent with ``codec``, cannot land in ``mem`` (None: it can).
+    ``cache_scales``: the peer's FP8 cache scales, checked when given."""
+    if codec not in CODECS:
+        return f"unknown codec {codec!r} (this side knows {', '.join(CODECS)})"
+    if codec != "none" and mem.layout.dtype not in CODEC_DTYPES:
+        return f"codec {codec} cannot land in this {mem.layout.dtype} cache"
+    mine = wire_fingerprint(mem.layout, codec)
+    if fingerprint != mine or num_layers != mem.layout.num_layers:
+        return (f"{'layout' if codec == 'none' else codec} fingerprint {fingerprint} != "
+                f"{mine} ({mem.layout.describe()})")
+    if codec == "none" and cache_scales is not None and list(cache_scales) != mem.cache_scales:
+        return (f"FP8 cache scales differ: the peer's {list(cache_scales)[:4]}..., "
+                f"this cache's {mem.cache_scales[:4]}...; the bytes would mean other values")
+    return None

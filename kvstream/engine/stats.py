@@ -1,0 +1,62 @@
+"""What an agent reports about itself: a snapshot of its book and pools."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvstream.engine.book import Kind
+
+if TYPE_CHECKING:
+    from kvstream.engine.core import Core
+
+__all__ = ["AgentStatistics", "snapshot"]
+
+
+class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What an agent holds and has done; at rest every ``*_active`` figure is 0."""
+
+    instance_id: str
+    transfers_active: int
+    reservations_active: int
+    kv_registered_bytes: int
+    staging_bytes_in_use: int
+    staging_bytes_peak: int
+    completed: int
+    failed: int
+    aborted: int
+    timed_out: int
+    bytes_sent: int
+    bytes_received: int
+    malformed_messages: int
+    peers_alive: int
+    staged_transfers: int = 0  # pushes held in staging, waiting for their reservation
+    staged_dropped: int = 0  # ... that ended without one
+    held_active: int = 0  # offers held for a pull (source side)
+    leases_active: int = 0  # leases this agent keeps renewing (destination side)
+    expired: int = 0  # offers released because nobody renewed their lease
+    renewals_sent: int = 0
+    bytes_skipped: int = 0  # already at the destination (incremental)
+
+
+def snapshot(core: Core, malformed: int) -> AgentStatistics:
+    book, c = core.book, core.book.counts
+    kinds = [e.kind for e in book.live]
+    return AgentStatistics(
+        instance_id=core.instance_id,
+        transfers_active=len(book.streams),
+        reservations_active=kinds.count(Kind.RESERVATION),
+        held_active=kinds.count(Kind.OFFER),
+        leases_active=kinds.count(Kind.LEASE),
+        staged_transfers=kinds.count(Kind.STAGED),
+        kv_registered_bytes=core.memory.nbytes if core.memory else 0,
+        staging_bytes_in_use=core.staging.in_use,
+        staging_bytes_peak=core.staging.peak,
+        malformed_messages=malformed,
+        peers_alive=len(core.registry.instances()),
+        completed=c["completed"], failed=c["failed"], aborted=c["aborted"],
+        timed_out=c["timed_out"], expired=c["expired"], bytes_sent=c["bytes_sent"],
+        bytes_received=c["bytes_received"], bytes_skipped=c["bytes_skipped"],
+        staged_dropped=c["staged_dropped"], renewals_sent=c["renewals_sent"],
+    )

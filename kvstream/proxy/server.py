@@ -1,0 +1,220 @@
+"""The proxy's HTTP server: its endpoints, its engine session and its registry feed.
+
+The legs themselves are ``kvstream.proxy.forwarding.Legs``; the settings and bodies,
+``kvstream.proxy.config``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import msgspec
+
+from kvstream._exceptions import ConfigError, ProxyError
+from kvstream.control.bus import ControlBus
+from kvstream.control.subjects import Subjects
+from kvstream.proxy.config import ProxyConfig, ProxyStatistics, decode_body, decode_only_body
+from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
+from kvstream.proxy.routing import Directory, LegRole
+
+try:
+    import aiohttp
+    from aiohttp import web
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ConfigError("kvstream proxy needs aiohttp: pip install 'kvstream[proxy]'") from exc
+
+__all__ = ["Proxy"]
+
+log = logging.getLogger("kvstream.proxy")
+
+
+async def _bounded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) -> None:
+    with anyio.move_on_after(timeout):
+        await close()
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": code, "code": status}},
+                             status=status)
+
+
+class Proxy(Legs):
+    """The proxy's HTTP server, its engine client and its registry subscription.
+
+    ``async with Proxy(config) as proxy``: listening on ``proxy.url`` once entered;
+    leaving closes the server, the engine connections and NATS. Raises
+    ``ControlPlaneError`` if NATS cannot be reached, ``ConfigError`` if it cannot listen.
+    """
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.proxy_id = config.proxy_id or f"proxy-{uuid.uuid4().hex[:8]}"
+        self.directory = Directory(prefill=config.prefill, decode=config.decode,
+                                   peer_timeout_s=config.peer_timeout_s)
+        self.url = ""
+        self._bus: ControlBus | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._inflight: Counter[str] = Counter()
+        self._turn: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._degraded = False  # serving decode-only because no prefill instance is live
+
+    async def __aenter__(self) -> Proxy:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._stack.aclose()
+
+    async def _start(self) -> None:
+        cfg = self.config
+        if cfg.nats_url is not None:
+            self._bus = await ControlBus.connect(cfg.nats_url, name=f"kvstream-{self.proxy_id}")
+            self._stack.push_async_callback(_bounded, self._bus.close)
+
+            async def on_registry(msg: Any, headers: dict[str, str]) -> None:
+                self.directory.observe(msg)
+
+            await self._bus.serve(Subjects(cfg.namespace).registry_all, on_registry)
+            await self._bus.flush()
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._stack.push_async_callback(_bounded, self._session.close)
+        app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors])
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        # Leaving waits up to aiohttp's shutdown_timeout (60 s) for responses in flight.
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._stack.push_async_callback(runner.cleanup)
+        try:
+            await web.TCPSite(runner, cfg.host, cfg.port).start()
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    def _set_degraded(self, degraded: bool, why: str) -> None:
+        """Log the changes into and out of decode-only mode, not every request in it."""
+        if degraded and not self._degraded:
+            log.warning("serving requests decode-only (the decode engine prefills them "
+                        "itself) until a prefill instance answers: %s", why)
+        elif self._degraded and not degraded:
+            log.info("serving requests prefill/decode again: %s", why)
+        self._degraded = degraded
+
+    def _headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    # -- handlers -----------------------------------------------------------------------
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        self._counts["requests"] += 1
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise ProxyError(f"the request body is not JSON: {exc}", status=400,
+                             code="invalid_request") from exc
+        if not isinstance(body, dict):
+            raise ProxyError("the request body must be a JSON object", status=400,
+                             code="invalid_request")
+        request_id = request.headers.get("X-Request-Id") or str(uuid.uuid4())
+        headers = self._headers(request, request_id)
+        if not self.directory.instances("decode"):  # refuse before a prefill nobody decodes
+            raise ProxyError("no decode instance available", status=503, code="no_decode")
+        started = time.monotonic()
+        p = self._pick("prefill")
+        if p is None:
+            if self.config.no_prefill == "reject":
+                raise ProxyError("no prefill instance available", status=503, code="no_prefill")
+            return await self._decode_only(request, body, headers, started,
+                                           "no live prefill instance")
+        try:
+            params = await self._prefill(p, request.path, body, headers)
+        except PrefillUnreachable as exc:
+            if self.config.no_prefill == "reject":
+                raise
+            return await self._decode_only(request, body, headers, started, str(exc))
+        self._set_degraded(False, f"prefill {p.url} answered")
+        prefill_ms = (time.monotonic() - started) * 1e3
+        response, d = await self._decode(request, decode_body(body, params), params, headers,
+                                         "prefill-decode")
+        log.info("%s %s: prefill %s (%.0f ms) -> decode %s: %d (%.0f ms in all)", request_id,
+                 request.path, p.url, prefill_ms, d.url, response.status,
+                 (time.monotonic() - started) * 1e3)
+        return response
+
+    async def _decode_only(self, request: web.Request, body: dict[str, Any],
+                           headers: dict[str, str], started: float,
+                           why: str) -> web.StreamResponse:
+        """The whole request on a decode instance: it prefills the prompt itself."""
+        self._set_degraded(True, why)
+        self._counts["decode_only"] += 1
+        response, d = await self._decode(request, decode_only_body(body), None, headers,
+                                         "decode-only")
+        log.info("%s %s: decode-only (%s) -> decode %s: %d (%.0f ms)", headers["X-Request-Id"],
+                 request.path, why, d.url, response.status, (time.monotonic() - started) * 1e3)
+        return response
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        d = self._choose("decode")
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_s * 2)
+        try:
+            async with self._session.get(d.url + "/v1/models", headers=self._headers(
+                    request, request.headers.get("X-Request-Id") or str(uuid.uuid4())),
+                    timeout=timeout) as resp:
+                return web.Response(status=resp.status, body=await resp.read(),
+                                    content_type=resp.content_type)
+        except HTTP_ERRORS as exc:
+            raise ProxyError(f"decode {d.url} failed: {str(exc) or type(exc).__name__}",
+                             status=502, code="decode_failed") from exc
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        def describe(role: LegRole) -> list[dict[str, Any]]:
+            return [{"url": i.url, "instances": list(i.instance_ids), "load": i.load,
+                     "inflight": self._inflight[i.url]} for i in self.directory.instances(role)]
+
+        prefill, decode = describe("prefill"), describe("decode")
+        decode_only = bool(decode) and not prefill and self.config.no_prefill == "decode"
+        stats = msgspec.structs.asdict(self.statistics())
+        del stats["inflight"]  # per instance above
+        return web.json_response({"status": "ok", "proxy_id": self.proxy_id,
+                                  "ready": bool(prefill and decode) or decode_only,
+                                  "decode_only": decode_only, "nats": self._bus is not None,
+                                  "prefill": prefill, "decode": decode, "counts": stats})
+
+    def statistics(self) -> ProxyStatistics:
+        c = self._counts
+        return ProxyStatistics(requests=c["requests"], prefill_errors=c["prefill_errors"],
+                               decode_errors=c["decode_errors"],
+                               offers_released=c["offers_released"],
+                               inflight={u: n for u, n in self._inflight.items() if n},
+                               decode_only=c["decode_only"])
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A ``ProxyError`` becomes an OpenAI-style JSON error with its status."""
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        log.warning("%s %s: %d %s", request.headers.get("X-Request-Id", "-"), request.path,
+                    exc.status, exc)
+        return _error(exc.status, exc.code, str(exc))

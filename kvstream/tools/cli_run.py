@@ -1,0 +1,145 @@
+"""``kvstream sidecar`` and ``kvstream proxy``: the long-running services.
+
+Both run until SIGTERM or SIGINT. Registered on the group by ``kvstream.tools.cli``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from kvstream._exceptions import ConfigError
+from kvstream.tools.cli_common import layout_from, log_to_stderr
+
+__all__ = ["proxy", "sidecar"]
+
+
+def _configure_tracing(service: str, trace_file: str | None) -> Any:
+    """The SDK for this process: OTLP when OTEL_* asks for it, and/or a span file."""
+    from kvstream.tools.otel import configure, otlp_requested
+
+    if not trace_file and not otlp_requested():
+        return lambda: None
+    return configure(service, span_file=trace_file)
+
+
+@click.command()
+@click.option("--instance-id", required=True, help="this engine's instance id (NATS-safe)")
+@click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both",
+              show_default=True)
+@click.option("--socket", "socket_path", required=True, help="Unix socket the engine connects to")
+@click.option("--nats-url", help="NATS URL (default: one on 127.0.0.1:4222, embedded if none)")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--ucx-tls", help="restrict UCX transports, e.g. 'tcp' or 'sm,self' (sets UCX_TLS)")
+@click.option("--ucx-error-handling", is_flag=True,
+              help="UCX endpoint error handling (RDMA fabrics; disables same-host shm)")
+@click.option("--staging-bytes", type=click.IntRange(min=1), default=256 << 20, show_default=True)
+@click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--model", help="refuse KV memory of any layout but this preset's")
+@click.option("--endpoint", default="",
+              help="the engine's OpenAI HTTP base URL, announced for `kvstream proxy`")
+@click.option("--trace-file", type=click.Path(dir_okay=False),
+              help="append this sidecar's spans (JSON lines) here; OTEL_* variables select OTLP")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None, namespace: str,
+            ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
+            max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
+            log_level: str, trace_file: str | None) -> None:
+    """Run an agent next to one engine, served over a Unix socket."""
+    import os
+    import signal
+
+    import anyio
+
+    from kvstream.config import AgentConfig
+    from kvstream.sidecar.server import Sidecar
+
+    log_to_stderr(log_level)
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+    config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
+                         nats_url=nats_url, ucx_error_handling=ucx_error_handling,
+                         staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
+                         max_transfers=max_transfers, endpoint=endpoint)
+    layout = layout_from(model, None, None, None, 16, "float16")[2] if model else None
+    server = Sidecar(config, socket_path, layout=layout)
+    shutdown_tracing = _configure_tracing(f"kvstream-sidecar-{instance_id}", trace_file)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    logging.getLogger("kvstream.sidecar").info(
+                        "%s: aborting in-flight transfers and exiting", signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    return
+
+    try:
+        anyio.run(run)
+    finally:
+        shutdown_tracing()
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--nats-url", help="NATS URL of the registry (default: nats://127.0.0.1:4222)")
+@click.option("--no-nats", is_flag=True,
+              help="static --prefill/--decode URLs only: no discovery, no early release")
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--prefill", "prefill_urls", multiple=True, metavar="URL",
+              help="a prefill engine that does not announce itself (repeatable)")
+@click.option("--decode", "decode_urls", multiple=True, metavar="URL",
+              help="a decode engine that does not announce itself (repeatable)")
+@click.option("--peer-timeout", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="seconds without a heartbeat before an instance is not routed to")
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True,
+              help="seconds for the prefill leg, and the longest silence of the decode leg")
+@click.option("--no-prefill", type=click.Choice(["decode", "reject"]), default="decode",
+              show_default=True,
+              help="no live prefill instance, or its engine cannot be reached: run the request "
+                   "whole on a decode instance (decode), or answer 503 (reject)")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: str,
+          prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
+          timeout: float, no_prefill: str, log_level: str) -> None:
+    """OpenAI-compatible prefill/decode proxy over the registry.
+
+    Engines are found in the kvstream registry on NATS (or given with --prefill and
+    --decode).
+    """
+    import signal
+
+    import anyio
+
+    from kvstream.control.nats_server import DEFAULT_NATS_URL
+    from kvstream.proxy import Proxy, ProxyConfig
+
+    if no_nats and nats_url:
+        raise ConfigError("--no-nats and --nats-url contradict each other")
+    log_to_stderr(log_level)  # one record per line, never wrapped at a terminal's width
+    config = ProxyConfig(host=host, port=port, namespace=namespace,
+                         nats_url=None if no_nats else (nats_url or DEFAULT_NATS_URL),
+                         prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
+                         prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
+                         no_prefill=no_prefill)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        async with Proxy(config) as server:
+            click.echo(f"kvstream proxy {server.proxy_id} listening on {server.url}"
+                       + ("" if no_nats else f" (registry {config.nats_url}, "
+                          f"namespace {namespace})"))
+            sys.stdout.flush()
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    return
+
+    anyio.run(run)
+
