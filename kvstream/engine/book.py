@@ -253,7 +253,7 @@ class Book:
         leases: list[float] = []
         for rid in request_ids:
             entry = self.offers.get(rid)
-            if entry is None:
+            if entry is None or now > entry.lease_until:  # a late renewal revives nothing
                 unknown.append(rid)
                 continue
             entry.lease_until = now + entry.lease_s
@@ -427,10 +427,10 @@ class Book:
         return self.end(entry, TransferState.TIMED_OUT, why)
 
     def _wanted(self) -> dict[str, list[str]]:
-        by_src: dict[str, list[str]] = {}
+        by_src: dict[str, dict[str, None]] = {}  # a lease and its pull: one request id
         for src, rid in [*self.leases, *self.pulls]:
-            by_src.setdefault(src, []).append(rid)
-        return by_src
+            by_src.setdefault(src, {})[rid] = None
+        return {src: list(rids) for src, rids in by_src.items()}
 
     def _renew_at(self, src: str) -> float:
         period = self.peer_lease.get(src, self.lease_s) * self.renew_every

@@ -74,6 +74,7 @@ class BookMachine(RuleBasedStateMachine):
         self.ended: set[Entry] = set()  # an end action (Stop/Finish/LoseLease) was returned
         self.stopped: dict[Entry, S] = {}  # told to stop, stream still running
         self.told: list[TellKeeper] = []
+        self.told_dead: set[Entry] = set()  # its stream was told (once) that the peer is dead
         self.lease_until: dict[Entry, float] = {}  # offers and serves: when the lease runs out
         self.dead: set[str] = set()
         self.inflight: set[str] = set()  # sources with a Renew not yet answered
@@ -156,9 +157,10 @@ class BookMachine(RuleBasedStateMachine):
                 self.told.append(a)
                 continue
             e = a.entry
-            if e in self.ended:  # a later decision: only a stop escalated to "peer dead"
+            if e in self.ended:  # a later decision: only a stop escalated to "peer dead", once
                 assert isinstance(a, Stop) and a.peer_dead, f"{a}: {e} already had its end"
-                assert e.streaming
+                assert e.streaming and e not in self.told_dead, f"{e} told its peer died twice"
+                self.told_dead.add(e)
                 continue
             self.ended.add(e)
             assert e.ending is not None
@@ -168,6 +170,8 @@ class BookMachine(RuleBasedStateMachine):
             elif isinstance(a, Stop):
                 assert e.kind is not Kind.LEASE and e.streaming
                 self.stopped[e] = a.state
+                if a.peer_dead:
+                    self.told_dead.add(e)
             else:
                 assert e.kind is not Kind.LEASE and not e.streaming
                 self.finish(e, a.state)
@@ -327,7 +331,9 @@ class BookMachine(RuleBasedStateMachine):
             self.renew_check(alive[PEERS.index(by) % len(alive)], [choose(self.offered(), i).request_id])
 
     def renew_check(self, by: str, rids: list[str]) -> None:
-        offers = {e.request_id: e for e in self.open_live() if e.kind in OFFER_KINDS}
+        # an offer whose lease ran out is not revived by a late renewal (the next tick ends it)
+        offers = {e.request_id: e for e in self.open_live()
+                  if e.kind in OFFER_KINDS and self.now <= self.lease_until[e]}
         unknown, shortest = self.book.renew(by, rids, self.now)
         assert unknown == [r for r in rids if r not in offers]
         known = [offers[r] for r in rids if r in offers]
@@ -456,6 +462,7 @@ class BookMachine(RuleBasedStateMachine):
         assert not any(e in self.ended for e in received if e.kind not in OFFER_KINDS)
         assert not any(e in self.ended for e in still_kept), "an offer some live keeper keeps ended"
         self.check_no_orphans()
+        self.check_dead_peers_told({peer})
 
     def kept_offers(self) -> list[Entry]:
         return [e for e in self.open_live() if e.kind is Kind.OFFER and e.keepers]
@@ -486,6 +493,14 @@ class BookMachine(RuleBasedStateMachine):
         for e in self.open_live():
             if e.kind is Kind.OFFER and e.keepers:
                 assert any(self.alive(k) for k in e.keepers), f"{e} kept only by dead peers lives on"
+
+    def check_dead_peers_told(self, dead: set[str]) -> None:
+        """After a tick (or peer_lost of one peer): every stream still moving bytes with a
+        dead peer, open or already stopping, has been told the peer is dead (abort the
+        endpoint)."""
+        for e in self.live():
+            if e.streaming and not e.received and e.peer in dead:
+                assert e in self.told_dead, f"{e}: its peer {e.peer} is dead and nobody said so"
 
     def expected_end(self, e: Entry, now: float) -> S | None:
         """What a tick at ``now`` must decide for ``e`` (open before it), by the book's rules."""
@@ -527,6 +542,7 @@ class BookMachine(RuleBasedStateMachine):
             if e.kind in OFFER_KINDS:
                 assert e.lease_until >= now, e
         self.check_no_orphans()
+        self.check_dead_peers_told(self.dead)
         return actions
 
     @precondition(lambda self: self.ready)
@@ -595,6 +611,7 @@ class BookMachine(RuleBasedStateMachine):
             assert (e.ending is not None) == (e in self.ended)
             if e.ending is not None:
                 assert e.streaming and e in self.stopped
+                assert e.peer_dead == (e in self.told_dead)
         counts = b.counts
         assert sum(counts[k] for k in COUNTED) == self.non_lease_finished
         assert self.non_lease_finished + self.dropped == sum(
@@ -752,10 +769,11 @@ def test_tick_escalates_a_stopping_stream_whose_peer_died() -> None:
     [stop] = book.end(e, S.ABORTED, "engine abort")
     assert not stop.peer_dead  # type: ignore[union-attr]
     assert book.peers() == {"p"}  # the timer watches p for this entry ...
-    # ... yet when p is found dead, the tick does nothing: the stop is never escalated to
-    # "the peer is dead" (abort the endpoint), which peer_lost would have done.
+    # ... and when p is found dead, the tick escalates the stop to "the peer is dead" (abort
+    # the endpoint) even though p has no open entry left; once, not at every tick.
     actions = book.tick(1.0, lambda peer: peer != "p", why)
     assert [(type(a), a.entry, a.peer_dead) for a in actions] == [(Stop, e, True)]  # type: ignore[union-attr]
+    assert book.tick(2.0, lambda peer: peer != "p", why) == []
 
 
 def test_offer_whose_every_keeper_is_dead_fails_without_telling_anyone() -> None:
@@ -856,7 +874,7 @@ def test_a_shorter_lease_learnt_while_a_renewal_is_in_flight_is_kept() -> None:
     b = book.keep("src", "B", 0.1)
     book.confirmed_lease(b, 1.0)  # src holds B for 1s: renew it every 0.25s
     book.renewed("src", 0.2, 8.0)  # the answer about A
-    # B must be renewed before src drops it at 1.1; the book waits until 0.0 + 0.25 * 8s = 2.0
+    # B must be renewed before src drops it at 1.1: the period stays 0.25 * 1s, not 0.25 * 8s
     assert book.next_deadline() <= 0.25
 
 
@@ -949,3 +967,19 @@ def test_end_all_then_finishing_everything_leaves_an_empty_book() -> None:
     assert not (book.live or book.receiving or book.offers or book.pulls or book.leases
                 or book.pushes or book.streams)
     assert book.counts["aborted"] == 3 and o.finished
+
+
+def test_a_renewal_after_the_lease_ran_out_revives_nothing() -> None:
+    book = make()
+    e = book.offer("r", "t1", 1.0, 0.0)
+    assert book.renew("k", ["r"], 1.5) == (["r"], book.lease_s)  # late: unknown to the keeper
+    [fin] = book.tick(1.5, everyone, why)
+    assert isinstance(fin, Finish) and fin.entry is e and fin.state is S.EXPIRED
+
+
+def test_a_lease_and_its_pull_are_renewed_under_one_request_id() -> None:
+    book = make()
+    lease = book.keep("src", "r", 0.0)
+    book.confirmed_lease(lease, 4.0)
+    book.pull("src", "r", 0.0)  # negotiating while the lease is still kept
+    assert book.tick(0.0, everyone, why) == [Renew("src", ("r",))]
