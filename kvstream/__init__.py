@@ -30,6 +30,7 @@ from kvstream.blocking import BlockingClient as BlockingClient
 from kvstream.client import Client as Client
 from kvstream.client import SidecarLostError as SidecarLostError
 from kvstream.config import AgentConfig as AgentConfig
+from kvstream.control.auth import NatsAuth as NatsAuth
 from kvstream.control.nats_server import EmbeddedNats as EmbeddedNats
 from kvstream.engine.agent import Agent as Agent
 from kvstream.engine.agent import AgentStatistics as AgentStatistics
@@ -71,6 +72,7 @@ __all__ = (
     "LayoutError",
     "LeaseExpiredError",
     "MessageDecodeError",
+    "NatsAuth",
     "NatsConnectError",
     "NoPeerError",
     "PeerLostError",

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvstream._exceptions import ConfigError
+from kvstream.control.auth import NatsAuth
 from kvstream.control.subjects import Subjects
 
 __all__ = ["PROGRESS_MODES", "AgentConfig", "check_endpoint", "check_timeout"]
@@ -47,6 +48,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     namespace: str = "default"
     # None: use a NATS server already on the default URL, else start an embedded one.
     nats_url: str | None = None
+    # Credentials and TLS for that server (control/auth.py; NatsAuth.from_env() reads them
+    # from KVSTREAM_NATS_* variables).
+    nats_auth: NatsAuth = NatsAuth()
     # "thread" (UCX progress thread + futures, no idle spin) is right for most hosts;
     # "blocking"/"polling" trade a busy event loop for slightly lower latency.
     progress_mode: str = "thread"
@@ -86,8 +90,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"progress_mode must be one of {PROGRESS_MODES}")
         for name in ("heartbeat_s", "peer_timeout_s", "request_timeout_s", "transfer_timeout_s",
                      "reservation_timeout_s", "staging_wait_s", "lease_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+            value = getattr(self, name)
+            if not 0 < value < math.inf:  # NaN too: a deadline that never passes
+                raise ConfigError(f"{name} must be a positive, finite number of seconds")
         if self.peer_timeout_s < 2 * self.heartbeat_s:
             raise ConfigError("peer_timeout_s must be at least two heartbeats")
         from kvstream.quant.scheme import check_codec

@@ -14,6 +14,7 @@ import nats.errors
 
 from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NatsConnectError, NoPeerError
 from kvstream.control import messages as m
+from kvstream.control.auth import NatsAuth
 from kvstream.control.reach import classify, probe, servers_of
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class ControlBus:
         self.malformed = 0
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, timeout: float = 5.0) -> ControlBus:
+    async def connect(cls, url: str, *, name: str, timeout: float = 5.0,
+                      auth: NatsAuth | None = None) -> ControlBus:
         """Connect to ``url`` (one server or a comma-separated list), reconnecting for
         ever once connected.
 
@@ -47,6 +49,7 @@ class ControlBus:
         silent server after ``connect_timeout``), and in any case after ``timeout``."""
         from nats.aio.client import Client as NatsClient
 
+        options = (auth or NatsAuth()).connect_options()
         servers = max(1, len(servers_of(url)))
         failures: list[tuple[str, str]] = []
         connected = False
@@ -69,7 +72,8 @@ class ControlBus:
                 await nc.connect(servers=[u.strip() for u in url.split(",") if u.strip()],
                                  name=name, connect_timeout=cast(int, min(timeout, 2.0)),
                                  allow_reconnect=True, max_reconnect_attempts=-1,
-                                 reconnect_time_wait=cast(int, 0.2), error_cb=on_error)
+                                 reconnect_time_wait=cast(int, 0.2), error_cb=on_error,
+                                 **options)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 await nc.close()

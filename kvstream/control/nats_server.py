@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -69,10 +70,15 @@ class EmbeddedNats:
     Use as a context manager; ``url`` is valid once ``start()`` returned.
     """
 
-    def __init__(self, port: int | None = None, *, jetstream: bool = True) -> None:
+    def __init__(self, port: int | None = None, *, jetstream: bool = True,
+                 config: str = "", args: Sequence[str] = ()) -> None:
+        """``config``: text of a nats-server configuration file (authorization, TLS, ...);
+        ``args``: more command-line arguments (``--user``, ``--auth`` ...)."""
         self.port = port if port is not None else free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self._jetstream = jetstream
+        self._config = config
+        self._args = list(args)
         self._proc: subprocess.Popen[bytes] | None = None
         self._store: tempfile.TemporaryDirectory[str] | None = None
         self.log_path = ""
@@ -85,6 +91,12 @@ class EmbeddedNats:
         args = [binary, "-a", "127.0.0.1", "-p", str(self.port), "-l", self.log_path]
         if self._jetstream:
             args += ["-js", "-sd", self._store.name]
+        if self._config:
+            path = os.path.join(self._store.name, "nats-server.conf")
+            with open(path, "w") as f:
+                f.write(self._config)
+            args += ["-c", path]
+        args += self._args
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

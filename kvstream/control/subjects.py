@@ -38,6 +38,17 @@ class Subjects:
     def registry_all(self) -> str:
         return f"{self.prefix}.registry.*"
 
+    @property
+    def control_all(self) -> str:
+        return f"{self.prefix}.inst.*.ctl"
+
+    def permissions(self, instance_id: str) -> dict[str, list[str]]:
+        """The least an instance needs on NATS (docs/architecture.md, "NATS credentials and
+        permissions"): publish to control subjects, its own registry subject and reply
+        inboxes; subscribe to its own control subject, the registry and its inboxes."""
+        return {"publish": [self.control_all, self.registry(instance_id), "_INBOX.>"],
+                "subscribe": [self.control(instance_id), self.registry_all, "_INBOX.>"]}
+
     @staticmethod
     def check_instance_id(instance_id: str) -> str:
         return _check("instance id", instance_id)

@@ -10,6 +10,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
+from kvstream.control.auth import NatsAuth
 from kvstream.doctor.report import (
     Check,
     DoctorReport,
@@ -179,7 +180,7 @@ def judge(versions: Versions, hardware: Hardware, shm: SharedMemory, ucx: UcxRep
 
 
 def run_checks(nats_url: str | None, *, link_check: bool = True, timeout: float = 2.0,
-               ucx_timeout: float = 30.0) -> DoctorReport:
+               ucx_timeout: float = 30.0, auth: NatsAuth | None = None) -> DoctorReport:
     """Every check of ``kvstream doctor``; never raises for what it finds.
 
     ``nats_url``: None for ``DEFAULT_NATS_URL``. ``timeout``: seconds for each NATS step
@@ -201,7 +202,7 @@ def run_checks(nats_url: str | None, *, link_check: bool = True, timeout: float 
     probe = start_probe(link_bytes=LINK_BYTES if link_check else 0, device=device,
                         timeout=ucx_timeout)
     try:  # while the probe runs (mostly waiting for its two processes to start)
-        nats = _run(check_nats(url, timeout))
+        nats = _run(check_nats(url, timeout, auth))
     finally:
         ucx, result = probe.finish()
     if result.ucxx or result.ucx:

@@ -40,7 +40,7 @@ async def open_control(cfg: AgentConfig, stack: contextlib.AsyncExitStack
         if not is_listening(url):
             nats = EmbeddedNats(port=4222).start()
             stack.callback(nats.stop)
-    bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}")
+    bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}", auth=cfg.nats_auth)
     stack.push_async_callback(_shielded, bus.close)
     return bus, url
 

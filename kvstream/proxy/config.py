@@ -11,6 +11,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from kvstream._exceptions import ConfigError
+from kvstream.control.auth import NatsAuth
 from kvstream.control.nats_server import DEFAULT_NATS_URL
 from kvstream.control.subjects import Subjects
 
@@ -37,6 +38,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000  # 0: any free port (``Proxy.url`` says which)
     # The registry's NATS; None: static instances only, and no early release of offers.
     nats_url: str | None = DEFAULT_NATS_URL
+    nats_auth: NatsAuth = NatsAuth()  # credentials and TLS for it (control/auth.py)
     namespace: str = "default"
     prefill: tuple[str, ...] = ()  # static engine URLs, for engines that do not announce
     decode: tuple[str, ...] = ()

@@ -82,7 +82,8 @@ class Proxy(Legs):
     async def _start(self) -> None:
         cfg = self.config
         if cfg.nats_url is not None:
-            self._bus = await ControlBus.connect(cfg.nats_url, name=f"kvstream-{self.proxy_id}")
+            self._bus = await ControlBus.connect(cfg.nats_url, name=f"kvstream-{self.proxy_id}",
+                                                 auth=cfg.nats_auth)
             self._stack.push_async_callback(_bounded, self._bus.close)
 
             async def on_registry(msg: Any, headers: dict[str, str]) -> None:

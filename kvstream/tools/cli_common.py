@@ -6,14 +6,17 @@ none of them.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import click
 import msgspec
 
 from kvstream._exceptions import ConfigError
 
-__all__ = ["LOG_FORMAT", "OneLineFormatter", "layout_from", "log_to_stderr"]
+__all__ = ["LOG_FORMAT", "OneLineFormatter", "layout_from", "log_to_stderr", "nats_auth_options"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -49,3 +52,34 @@ def layout_from(model: str | None, layers: int | None, kv_heads: int | None,
                       block_size=block_size, dtype=dtype)
     return "custom", ModelSpec(name="custom", num_layers=layers, num_kv_heads=kv_heads,
                                head_dim=head_dim, hidden_size=0, params=0.0), layout
+
+
+_AUTH_OPTIONS = [
+    ("user", "NATS user (with --nats-password)", False),
+    ("password", "NATS password (better: KVSTREAM_NATS_PASSWORD)", False),
+    ("token", "NATS token (better: KVSTREAM_NATS_TOKEN)", False),
+    ("nkey-seed", "file with a user NKEY seed", True),
+    ("creds", "a .creds file (JWT + seed)", True),
+    ("tls-ca", "CA bundle for the server's certificate (turns TLS on)", True),
+    ("tls-cert", "client certificate (mutual TLS, with --nats-tls-key)", True),
+    ("tls-key", "the client certificate's key", True),
+    ("tls-hostname", "name to verify when the URL names an IP", False),
+]
+
+
+def nats_auth_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--nats-user`` ... ``--nats-tls-key``, handed to the command as one ``nats_auth``
+    (a ``NatsAuth``; what is not given comes from ``KVSTREAM_NATS_*`` variables)."""
+    names = [name.replace("-", "_") for name, _, _ in _AUTH_OPTIONS]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from kvstream.control.auth import NatsAuth
+
+        given = {n: kwargs.pop(f"nats_{n}") or "" for n in names}
+        return fn(*args, nats_auth=NatsAuth.from_env(given), **kwargs)
+
+    for name, text, is_file in reversed(_AUTH_OPTIONS):
+        kind = click.Path(exists=True, dir_okay=False) if is_file else None
+        wrapper = click.option(f"--nats-{name}", type=kind, help=text)(wrapper)
+    return wrapper

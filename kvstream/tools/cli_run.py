@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvstream._exceptions import ConfigError
-from kvstream.tools.cli_common import layout_from, log_to_stderr
+from kvstream.tools.cli_common import layout_from, log_to_stderr, nats_auth_options
+
+if TYPE_CHECKING:
+    from kvstream.control.auth import NatsAuth
 
 __all__ = ["proxy", "sidecar"]
 
@@ -32,6 +35,7 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
               show_default=True)
 @click.option("--socket", "socket_path", required=True, help="Unix socket the engine connects to")
 @click.option("--nats-url", help="NATS URL (default: one on 127.0.0.1:4222, embedded if none)")
+@nats_auth_options
 @click.option("--namespace", default="default", show_default=True)
 @click.option("--ucx-tls", help="restrict UCX transports, e.g. 'tcp' or 'sm,self' (sets UCX_TLS)")
 @click.option("--ucx-error-handling", is_flag=True,
@@ -46,7 +50,8 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
               help="append this sidecar's spans (JSON lines) here; OTEL_* variables select OTLP")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
-def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None, namespace: str,
+def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
+            nats_auth: NatsAuth, namespace: str,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
             max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
             log_level: str, trace_file: str | None) -> None:
@@ -63,7 +68,8 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
     config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
-                         nats_url=nats_url, ucx_error_handling=ucx_error_handling,
+                         nats_url=nats_url, nats_auth=nats_auth,
+                         ucx_error_handling=ucx_error_handling,
                          staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
                          max_transfers=max_transfers, endpoint=endpoint)
     layout = layout_from(model, None, None, None, 16, "float16")[2] if model else None
@@ -90,6 +96,7 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--nats-url", help="NATS URL of the registry (default: nats://127.0.0.1:4222)")
+@nats_auth_options
 @click.option("--no-nats", is_flag=True,
               help="static --prefill/--decode URLs only: no discovery, no early release")
 @click.option("--namespace", default="default", show_default=True)
@@ -107,7 +114,8 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
                    "whole on a decode instance (decode), or answer 503 (reject)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
-def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: str,
+def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_nats: bool,
+          namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
           timeout: float, no_prefill: str, log_level: str) -> None:
     """OpenAI-compatible prefill/decode proxy over the registry.
@@ -127,6 +135,7 @@ def proxy(host: str, port: int, nats_url: str | None, no_nats: bool, namespace: 
     log_to_stderr(log_level)  # one record per line, never wrapped at a terminal's width
     config = ProxyConfig(host=host, port=port, namespace=namespace,
                          nats_url=None if no_nats else (nats_url or DEFAULT_NATS_URL),
+                         nats_auth=nats_auth,
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
                          prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
                          no_prefill=no_prefill)  # type: ignore[arg-type]

@@ -24,7 +24,10 @@ process on first ``register_kv_caches``. ``kv_transfer_params`` use NIXL's keys,
 and routers written for ``NixlConnector`` work unchanged.
 
 ``kv_connector_extra_config`` keys: ``nats_url`` (default: the local server, embedded if
-none), ``namespace``, ``instance_id`` (default ``vllm-<engine_id>``), ``codec`` ("none",
+none), ``nats_auth`` (NATS credentials and TLS: a mapping of ``kvstream.NatsAuth`` fields,
+e.g. ``{"creds": "/etc/kvstream/prefill.creds", "tls_ca": "/etc/ssl/nats-ca.pem"}``; unset
+fields come from ``KVSTREAM_NATS_*`` variables), ``namespace``, ``instance_id`` (default
+``vllm-<engine_id>``), ``codec`` ("none",
 "int8" or "fp8_e4m3", asked for by the decode side; a request's ``kv_transfer_params["kvstream"]
 ["codec"]`` overrides it), ``lease_s``, ``peer_timeout_s``,
 ``transfer_timeout_s``, ``endpoint`` (the engine's HTTP URL, announced for ``kvstream

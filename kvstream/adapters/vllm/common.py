@@ -33,7 +33,7 @@ REQUIRED = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote
 EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_s",
                         "peer_timeout_s", "transfer_timeout_s", "endpoint", "arrangement",
                         "mode", "host", "trace_file", "heartbeat_s", "request_timeout_s",
-                        "staging_bytes"})
+                        "staging_bytes", "nats_auth"})
 
 
 @dataclass

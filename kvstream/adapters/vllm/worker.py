@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvstream._exceptions import AdapterError, ConfigError, KVStreamError
 from kvstream.adapters.vllm.common import KVStreamMetadata, Side, log
 from kvstream.config import AgentConfig
+from kvstream.control.auth import NatsAuth
 from kvstream.layout import KVLayout
 from kvstream.tools import otel
 
@@ -108,10 +109,14 @@ class WorkerSide(Side):
                                                  "staging_bytes", "endpoint") if k in ex}
         role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(
             self._kv_transfer_config.kv_role or "", "both")
+        auth = ex.get("nats_auth") or {}
+        if not isinstance(auth, dict):
+            raise ConfigError("kv_connector_extra_config nats_auth: a mapping of NatsAuth "
+                              "fields (user, password, token, nkey_seed, creds, tls_ca, ...)")
         try:
             return AgentConfig(instance_id=self._instance, role=role,  # type: ignore[arg-type]
                                namespace=self._namespace, nats_url=ex.get("nats_url"),
-                               codec=self._codec, **kw)
+                               nats_auth=NatsAuth.from_env(auth), codec=self._codec, **kw)
         except TypeError as exc:
             raise ConfigError(f"bad kv_connector_extra_config: {exc}") from exc
 
