@@ -210,3 +210,61 @@ def test_the_cli_takes_credentials_from_options_and_the_environment():
 
         assert doctor("--nats-user", "kv", KVSTREAM_NATS_PASSWORD="s3cret")["connected"]
         assert not doctor("--nats-user", "kv", "--nats-password", "wrong")["connected"]
+
+
+def _jwt(claims: dict, signer) -> str:
+    """A NATS JWT (v2): base64url header and claims, signed with the issuer's NKEY."""
+    import base64
+    import hashlib
+    import json
+    import time
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+    claims = {"iat": int(time.time()), **claims}
+    claims["jti"] = base64.b32encode(hashlib.sha256(json.dumps(claims).encode()).digest()
+                                     ).decode().rstrip("=")
+    head = b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    body = b64(json.dumps(claims).encode())
+    return f"{head}.{body}.{b64(signer.sign(f'{head}.{body}'.encode()))}"
+
+
+async def test_creds_file_on_an_operator_mode_server(tmp_path: Path):
+    """A ``.creds`` file (user JWT + seed) against a server trusting an operator, with the
+    account preloaded: the JWTs are made and signed here."""
+    import os
+
+    import nkeys
+
+    def keypair(prefix: int):
+        seed = nkeys.encode_seed(os.urandom(32), prefix)
+        kp = nkeys.from_seed(bytearray(seed))
+        return kp, kp.public_key.decode(), seed.decode()
+
+    op, op_pub, _ = keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    acc, acc_pub, _ = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, user_pub, user_seed = keypair(nkeys.PREFIX_BYTE_USER)
+    unlimited = {"subs": -1, "data": -1, "payload": -1}
+    operator_jwt = _jwt({"iss": op_pub, "sub": op_pub, "name": "op",
+                         "nats": {"type": "operator", "version": 2}}, op)
+    account_jwt = _jwt({"iss": op_pub, "sub": acc_pub, "name": "kvstream",
+                        "nats": {"type": "account", "version": 2, "limits": {
+                            **unlimited, "conn": -1, "leaf": -1, "imports": -1,
+                            "exports": -1, "wildcards": True}}}, op)
+    user_jwt = _jwt({"iss": acc_pub, "sub": user_pub, "name": "agent",
+                     "nats": {"type": "user", "version": 2, "pub": {}, "sub": {},
+                              **unlimited}}, acc)
+    creds = tmp_path / "agent.creds"
+    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n"
+                     f"\n-----BEGIN USER NKEY SEED-----\n{user_seed}\n------END USER NKEY SEED------\n")
+    config = (f"operator: {operator_jwt}\nresolver: MEMORY\n"
+              f"resolver_preload: {{ {acc_pub}: {account_jwt} }}\n")
+    with EmbeddedNats(config=config, jetstream=False) as nats:
+        await _round_trip(nats.url, NatsAuth(creds=str(creds)))
+        with pytest.raises(NatsConnectError) as err:  # a seed without a JWT the server trusts
+            _, _, stranger = keypair(nkeys.PREFIX_BYTE_USER)
+            (tmp_path / "stranger.nk").write_text(stranger)
+            await ControlBus.connect(nats.url, name="stranger", timeout=3,
+                                     auth=NatsAuth(nkey_seed=str(tmp_path / "stranger.nk")))
+        assert err.value.cause == "auth"
