@@ -16,13 +16,13 @@ transfer that has none, tell a keeper, lose a lease, renew). The book owns the r
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvstream._exceptions import CapacityError, DuplicateRequestError
+from kvstream.engine.actions import Action, Finish, LoseLease, Renew, Stop, TellKeeper
+from kvstream.engine.entry import Entry, Kind
 from kvstream.transfer.state import EndCause, TransferState
 
 __all__ = ["Action", "Book", "Entry", "Finish", "Kind", "LoseLease", "Renew", "Stop",
@@ -30,100 +30,6 @@ __all__ = ["Action", "Book", "Entry", "Finish", "Kind", "LoseLease", "Renew", "S
 
 Alive = Callable[[str], bool]
 
-
-class Kind(enum.Enum):
-    RESERVATION = "reservation"  # receive side: blocks reserved, no manifest yet
-    STAGED = "staged"  # receive side: a push landing in staging, no reservation yet
-    RECEIVE = "receive"  # receive side of a push, bound to its reservation
-    PUSH = "push"  # send side of a push
-    OFFER = "offer"  # send side: blocks held under a lease for a pull
-    SERVE = "serve"  # send side: an offer being pulled
-    PULL = "pull"  # receive side of a pull
-    LEASE = "lease"  # a lease this agent keeps at a source (no transfer here)
-
-
-RECEIVING: Final = frozenset({Kind.STAGED, Kind.RECEIVE, Kind.PULL})
-
-
-@dataclass(eq=False)
-class Entry:
-    """One thing the book holds. ``handle`` and ``runner`` belong to the async layer (the
-    engine's handle, the stream running for it); the book never looks at them."""
-
-    kind: Kind
-    request_id: str
-    peer: str = ""
-    transfer_id: str = ""
-    opened_at: float = 0.0
-    deadline: float = math.inf  # when its transfer times out (set once it streams)
-    limit_s: float = 0.0  # the span behind ``deadline``, for the reason text
-    claim_by: float = math.inf  # a reservation's manifest, a staged push's claim, are due
-    lease_s: float = 0.0  # offers: how long one renewal holds them
-    lease_until: float = math.inf
-    keepers: set[str] = field(default_factory=set)  # who renewed an offer
-    promised: list[int] = field(default_factory=list)  # a staged push's named blocks
-    streaming: bool = False  # a stream runs for it: ending goes through ``Stop``
-    received: bool = False  # every byte is here: the peer's death no longer matters
-    confirmed: bool = False  # a lease the source said it holds (before: a question only)
-    peer_dead: bool = False  # its stop was told the peer is gone (abort the endpoint)
-    ending: tuple[TransferState, str] | None = None
-    finished: bool = False
-    handle: Any = None
-    runner: Any = None
-
-    def __repr__(self) -> str:
-        state = "finished" if self.finished else (self.ending[0].value if self.ending else "live")
-        return f"<Entry {self.kind.value} {self.request_id} peer={self.peer or '-'} {state}>"
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Stop the stream running for ``entry``; it finishes the transfer when it has."""
-
-    entry: Entry
-    state: TransferState
-    reason: str
-    cause: EndCause
-    peer_dead: bool = False
-
-
-@dataclass(frozen=True)
-class Finish:
-    """End ``entry``'s transfer now (no stream runs for it)."""
-
-    entry: Entry
-    state: TransferState
-    reason: str
-    cause: EndCause
-
-
-@dataclass(frozen=True)
-class TellKeeper:
-    """``keeper`` renewed an offer that just ended: tell it now, not at its next renewal."""
-
-    keeper: str
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class LoseLease:
-    """A lease kept at a source is gone (the entry already left the book)."""
-
-    entry: Entry
-    reason: str
-    cause: EndCause  # PEER_LOST, PEER_ABORT or LEASE_EXPIRED
-
-
-@dataclass(frozen=True)
-class Renew:
-    """Renew these requests at ``src`` now; report back with ``renewed``."""
-
-    src: str
-    request_ids: tuple[str, ...]
-
-
-Action = Stop | Finish | TellKeeper | LoseLease | Renew
 
 COUNTERS: Final = ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
                    "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent")
