@@ -24,23 +24,51 @@ class PeerInfo(msgspec.Struct, kw_only=True):
 
 
 class Registry:
-    """What this agent knows of the other instances; pure bookkeeping, the clock injected."""
+    """What this agent knows of the other instances; pure bookkeeping, the clock injected.
 
-    def __init__(self, *, peer_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    Bounded: at most ``max_peers`` entries. An instance dead for ``forget_after_s`` (30
+    peer timeouts by default) is forgotten when room is needed; when every entry is live
+    and the table is full, a new instance is refused and counted (``refused``), so a flood
+    of announcements under new names cannot grow an agent without bound.
+    """
+
+    def __init__(self, *, peer_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_peers: int = 4096, forget_after_s: float | None = None) -> None:
         self.peer_timeout_s = peer_timeout_s
+        self.max_peers = max_peers
+        self.forget_after_s = 30 * peer_timeout_s if forget_after_s is None else forget_after_s
         self._clock = clock
         self._peers: dict[str, PeerInfo] = {}
+        self.refused = 0
+
+    def _room_for(self, instance_id: str) -> bool:
+        if instance_id in self._peers or len(self._peers) < self.max_peers:
+            return True
+        now = self._clock()
+        for iid in [i for i, p in self._peers.items()
+                    if p.left or now - p.last_seen > self.forget_after_s]:
+            del self._peers[iid]
+        if len(self._peers) < self.max_peers:
+            return True
+        self.refused += 1
+        return False
 
     def observe(self, announce: Announce) -> None:
-        self._peers[announce.instance_id] = PeerInfo(announce=announce, last_seen=self._clock())
+        if self._room_for(announce.instance_id):
+            self._peers[announce.instance_id] = PeerInfo(announce=announce,
+                                                         last_seen=self._clock())
 
     def contact(self, instance_id: str) -> None:
         """Any message from a peer proves it alive (and starts watching it)."""
         info = self._peers.get(instance_id)
         if info is None:
-            self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock())
+            if self._room_for(instance_id):
+                self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock())
         elif not info.left:
             info.last_seen = self._clock()
+
+    def __len__(self) -> int:
+        return len(self._peers)
 
     def leave(self, instance_id: str) -> None:
         info = self._peers.get(instance_id)

@@ -38,6 +38,7 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     expired: int = 0  # offers released because nobody renewed their lease
     renewals_sent: int = 0
     bytes_skipped: int = 0  # already at the destination (incremental)
+    peers_refused: int = 0  # instances not registered: the registry was full of live ones
 
 
 def snapshot(core: Core, malformed: int) -> AgentStatistics:
@@ -54,7 +55,7 @@ def snapshot(core: Core, malformed: int) -> AgentStatistics:
         staging_bytes_in_use=core.staging.in_use,
         staging_bytes_peak=core.staging.peak,
         malformed_messages=malformed,
-        peers_alive=len(core.registry.instances()),
+        peers_alive=len(core.registry.instances()), peers_refused=core.registry.refused,
         completed=c["completed"], failed=c["failed"], aborted=c["aborted"],
         timed_out=c["timed_out"], expired=c["expired"], bytes_sent=c["bytes_sent"],
         bytes_received=c["bytes_received"], bytes_skipped=c["bytes_skipped"],

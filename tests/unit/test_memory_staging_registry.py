@@ -101,6 +101,26 @@ def test_registry_liveness():
     assert reg.instances(role="prefill") == []
 
 
+def test_registry_is_bounded_and_forgets_the_long_dead():
+    clock = FakeClock()
+    reg = Registry(peer_timeout_s=1.0, clock=clock, max_peers=3, forget_after_s=10.0)
+    for name in ("a", "b", "c"):
+        reg.observe(Announce(instance_id=name, role="decode", worker_address=b""))
+    reg.observe(Announce(instance_id="flood", role="decode", worker_address=b""))
+    reg.contact("flood2")
+    assert len(reg) == 3 and reg.refused == 2 and reg.get("flood") is None
+    reg.observe(Announce(instance_id="a", role="decode", worker_address=b""))  # known: kept
+    clock.advance(5.0)
+    reg.observe(Announce(instance_id="a", role="decode", worker_address=b""))
+    reg.leave("b")  # left: forgotten as soon as room is needed
+    reg.observe(Announce(instance_id="new", role="prefill", worker_address=b""))
+    assert reg.get("new") is not None and reg.get("b") is None and len(reg) == 3
+    clock.advance(6.0)  # c silent for 11 s > forget_after_s; a for 6 s: kept
+    reg.contact("late")
+    assert reg.get("late") is not None and reg.get("c") is None and reg.get("a") is not None
+    assert reg.refused == 2
+
+
 @pytest.mark.anyio
 async def test_sidecar_registration_needs_shared_or_cuda_memory():
     from kvstream.client import Client
