@@ -17,7 +17,7 @@ History:
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -57,6 +57,27 @@ RejectCode = Literal[
 ]
 
 
+# Bounds on everything a peer sends (decoding refuses more, as malformed): a forged
+# message cannot make an agent hold or walk arbitrarily much. Generous for real use: a
+# request's blocks at block size 1 for a 1M-token prompt, 4096 layers, 64 KiB addresses.
+MAX_BLOCKS: Final = 1 << 20
+MAX_LAYERS: Final = 4096
+Id = Annotated[str, msgspec.Meta(max_length=1024)]  # transfer, request and instance ids
+Text = Annotated[str, msgspec.Meta(max_length=8192)]  # reasons, fingerprints, codecs, URLs
+Address = Annotated[bytes, msgspec.Meta(max_length=64 << 10)]  # a UCX worker address
+Tag = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  # a transfer's 32-bit tag prefix (wire.py)
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Layers = Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]],
+                     msgspec.Meta(max_length=MAX_BLOCKS)]
+Hashes = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS)]
+Deadline = Annotated[float, msgspec.Meta(gt=0, le=1e7)]  # seconds; NaN and inf refused
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e7)]
+Load = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+Scales = Annotated[list[float], msgspec.Meta(max_length=2 * MAX_LAYERS)]
+Ids = Annotated[list[Id], msgspec.Meta(max_length=1 << 16)]
+
+
 class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
     """Base of every control message; ``v`` is the sender's protocol version."""
 
@@ -66,22 +87,22 @@ class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
 class Announce(ControlMessage, tag="kv.announce", frozen=True):
     """Periodic registry entry and heartbeat of one instance."""
 
-    instance_id: str
+    instance_id: Id
     role: Role
-    worker_address: bytes
+    worker_address: Address
     layout: KVLayout | None = None
-    load: float = 0.0
-    num_blocks: int = 0
-    heartbeat_s: float = 0.5
-    seq: int = 0
+    load: Load = 0.0
+    num_blocks: Count = 0
+    heartbeat_s: Seconds = 0.5
+    seq: Count = 0
     # The engine's OpenAI-compatible HTTP base URL, for the proxy; "" = not routable.
-    endpoint: str = ""
+    endpoint: Text = ""
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
     """Sent once by an instance that shuts down cleanly; peers fail its transfers now."""
 
-    instance_id: str
+    instance_id: Id
 
 
 class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
@@ -93,38 +114,38 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     prefix-chain hash, when the source knows it (incremental transfers).
     """
 
-    transfer_id: str
-    request_id: str
-    src: str
-    dst: str
-    src_address: bytes
-    src_tag: int
-    fingerprint: str
-    num_layers: int
-    src_blocks: list[int]
-    dst_blocks: list[int] = []
+    transfer_id: Id
+    request_id: Id
+    src: Id
+    dst: Id
+    src_address: Address
+    src_tag: Tag
+    fingerprint: Text
+    num_layers: Layers
+    src_blocks: BlockIds
+    dst_blocks: BlockIds = []
     mode: Mode = "pipelined"
-    codec: str = "none"
-    payload_bytes: int = 0
-    deadline_s: float = 30.0
-    block_hashes: list[int] = []
-    skip: list[int] = []
-    skipped_bytes: int = 0
-    lease_s: float = 0.0
+    codec: Text = "none"
+    payload_bytes: Count = 0
+    deadline_s: Deadline = 30.0
+    block_hashes: Hashes = []
+    skip: BlockIds = []
+    skipped_bytes: Count = 0
+    lease_s: Seconds = 0.0
     # An engine's own FP8 cache moves verbatim (codec "none") with its per-layer K/V
     # scales; the destination refuses it unless its own scales are the same.
-    cache_scales: list[float] = []
+    cache_scales: Scales = []
 
 
 class Accept(ControlMessage, tag="kv.accept", frozen=True):
     """The destination reserved receive state; ``dst_tag`` prefixes its data-plane tags."""
 
-    transfer_id: str
-    dst_tag: int
-    dst_address: bytes
-    dst_blocks: list[int]
+    transfer_id: Id
+    dst_tag: Tag
+    dst_address: Address
+    dst_blocks: BlockIds
     # Indices into the manifest's blocks the destination already holds: not sent.
-    skip: list[int] = []
+    skip: BlockIds = []
 
 
 class Pull(ControlMessage, tag="kv.pull", frozen=True):
@@ -133,66 +154,66 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     The answer is a ``Manifest`` (with ``skip`` worked out from ``have``) or a ``Reject``.
     """
 
-    request_id: str
-    src: str
-    dst: str
-    dst_address: bytes
-    dst_tag: int
-    fingerprint: str
-    num_layers: int
-    dst_blocks: list[int]
-    have: list[int] = []  # prefix hashes the destination already holds
+    request_id: Id
+    src: Id
+    dst: Id
+    dst_address: Address
+    dst_tag: Tag
+    fingerprint: Text
+    num_layers: Layers
+    dst_blocks: BlockIds
+    have: Hashes = []  # prefix hashes the destination already holds
     mode: PullMode = "eager"
-    deadline_s: float = 30.0
+    deadline_s: Deadline = 30.0
     # The codec the destination asks for and its compatibility hash for it
     # (``quant.scheme.wire_fingerprint``); the source may answer "none" (an FP8 cache).
-    codec: str = "none"
-    wire_fingerprint: str = ""
+    codec: Text = "none"
+    wire_fingerprint: Text = ""
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):
     """Keep holding these for me: one message per peer per renewal period, not per block."""
 
-    by: str
-    request_ids: list[str]
+    by: Id
+    request_ids: Ids
 
 
 class RenewAck(ControlMessage, tag="kv.renew_ack", frozen=True):
     """``unknown``: ids the source no longer holds (expired, aborted or never offered)."""
 
-    unknown: list[str] = []
-    lease_s: float = 0.0  # the shortest lease among the renewed ones
+    unknown: Ids = []
+    lease_s: Seconds = 0.0  # the shortest lease among the renewed ones
 
 
 class Reject(ControlMessage, tag="kv.reject", frozen=True):
-    transfer_id: str
+    transfer_id: Id
     code: RejectCode
-    reason: str
+    reason: Text
 
 
 class Done(ControlMessage, tag="kv.done", frozen=True):
     """Terminal outcome as one side saw it, sent to the other side once."""
 
-    transfer_id: str
-    request_id: str
+    transfer_id: Id
+    request_id: Id
     status: Status
-    reason: str = ""
-    bytes: int = 0
-    layers: int = 0
-    bytes_skipped: int = 0
+    reason: Text = ""
+    bytes: Count = 0
+    layers: Count = 0
+    bytes_skipped: Count = 0
 
 
 class Abort(ControlMessage, tag="kv.abort", frozen=True):
     """Stop the transfer; the receiver answers with AbortAck once nothing is in flight."""
 
-    transfer_id: str
-    request_id: str
-    reason: str
-    by: str
+    transfer_id: Id
+    request_id: Id
+    reason: Text
+    by: Id
 
 
 class AbortAck(ControlMessage, tag="kv.abort_ack", frozen=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 ControlUnion = (Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck | Pull

@@ -112,3 +112,32 @@ def test_block_hashes_are_a_prefix_chain():
     assert block_hashes(list(range(64)), 16, extra=b"other-model") != a  # keyed chains
     assert all(0 <= h < 2**63 for h in a)
     assert skipped_indices(a, b[:2]) == [0, 1] and skipped_indices(a, []) == []
+
+
+def _manifest(**kw):
+    base = dict(transfer_id="t", request_id="r", src="p", dst="d", src_address=b"a",
+                src_tag=7, fingerprint="f", num_layers=4, src_blocks=[1, 2], deadline_s=5.0)
+    return m.Manifest(**{**base, **kw})
+
+
+@pytest.mark.parametrize("bad", [
+    {"deadline_s": float("nan")}, {"deadline_s": float("inf")}, {"deadline_s": 0.0},
+    {"src_blocks": [-1]}, {"src_blocks": list(range(m.MAX_BLOCKS + 1))},
+    {"src_tag": 1 << 40}, {"num_layers": 0}, {"num_layers": m.MAX_LAYERS + 1},
+    {"src_address": b"x" * ((64 << 10) + 1)}, {"request_id": "r" * 1025},
+    {"cache_scales": [1.0] * (2 * m.MAX_LAYERS + 1)}, {"payload_bytes": -5},
+])
+def test_a_peer_cannot_send_unbounded_or_impossible_values(bad) -> None:
+    """Bounds hold at decoding: what a forged message carries is refused as malformed
+    before any agent walks or stores it (the sender's side is not checked: a forgery is
+    built by hand anyway)."""
+    with pytest.raises(MessageDecodeError):
+        m.decode(m.encode(_manifest(**bad)))
+
+
+def test_bounded_messages_still_carry_real_sizes() -> None:
+    big = _manifest(src_blocks=list(range(200_000)), block_hashes=list(range(-5, 5)),
+                    request_id="cmpl-" + "x" * 200, cache_scales=[0.5] * 2 * 4)
+    assert m.decode(m.encode(big)) == big
+    renew = m.Renew(by="d", request_ids=[f"r{i}" for i in range(10_000)])
+    assert m.decode(m.encode(renew)) == renew
