@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -64,8 +63,6 @@ class RecvStream(Stream):
         self.received = 0
         self._done_sent = False
         self._lands: anyio.abc.TaskGroup | None = None
-        # Told once every byte is here (the peer's death no longer matters to this one).
-        self.on_received: Callable[[], None] = lambda: None
         self._released = False
         self.quiesced.set()  # the receiver sends no data; only credits
 

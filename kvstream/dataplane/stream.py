@@ -88,6 +88,9 @@ class Stream:
         self.stopped = anyio.Event()
         # Set once nothing of ours is in flight toward the peer (what an AbortAck promises).
         self.quiesced = anyio.Event()
+        # The receive half calls it once every byte is here (the peer's death then no
+        # longer matters to this transfer); the agent sets it.
+        self.on_received: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
         """Move the bytes until the transfer ends; always finishes it (``_end``)."""

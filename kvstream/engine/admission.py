@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError, InvalidBlockError
+from kvstream._exceptions import CapacityError, ConfigError, InvalidBlockError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
@@ -155,15 +155,17 @@ class Admission:
         core = self.core
         single = single_message_for(mem, is_run(msg.src_blocks), False, msg.codec)
         layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
-        if core.book.active >= core.book.max_transfers:
-            return reject("busy", f"max_transfers={core.book.max_transfers} reached")
+        try:
+            entry = core.book.stage(msg.request_id, msg.transfer_id, msg.src, core.clock(),
+                                    promised=msg.dst_blocks)
+        except CapacityError as exc:  # the sender backs off and retries, as for a full pool
+            return reject("busy", str(exc))
         slots = core.staging.try_acquire_all(
             [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
         if slots is None:
+            core.book.drop(entry)
             return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
                           f"pool is full ({core.staging.in_use} of {core.staging.max_bytes} B)")
-        entry = core.book.stage(msg.request_id, msg.transfer_id, msg.src, core.clock(),
-                                promised=msg.dst_blocks)
         t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
                      peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes,
                      clock=core.clock)

@@ -183,8 +183,7 @@ class Core:
         t = stream.transfer
         entry.runner = stream
         self.book.streaming(entry, t.transfer_id, self.clock(), deadline_s)
-        if hasattr(stream, "on_received"):
-            stream.on_received = lambda: self.book.received_all(entry)
+        stream.on_received = lambda: self.book.received_all(entry)
         self.wake()
 
         async def run() -> None:
