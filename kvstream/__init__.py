@@ -11,6 +11,7 @@ from kvstream._exceptions import ConfigError as ConfigError
 from kvstream._exceptions import ControlPlaneError as ControlPlaneError
 from kvstream._exceptions import DataPlaneError as DataPlaneError
 from kvstream._exceptions import DuplicateRequestError as DuplicateRequestError
+from kvstream._exceptions import ForbiddenError as ForbiddenError
 from kvstream._exceptions import IncompatiblePeerError as IncompatiblePeerError
 from kvstream._exceptions import InvalidBlockError as InvalidBlockError
 from kvstream._exceptions import KVStreamError as KVStreamError
@@ -65,6 +66,7 @@ __all__ = (
     "DuplicateRequestError",
     "EmbeddedNats",
     "EndCause",
+    "ForbiddenError",
     "IncompatiblePeerError",
     "InvalidBlockError",
     "KVLayout",

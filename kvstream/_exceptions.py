@@ -12,7 +12,8 @@ msgspec, torch) are translated at the module that talks to them, with
     ├── LayoutError                 memory that does not match its KVLayout
     ├── ProtocolError               a message we cannot accept
     │   ├── MessageDecodeError      malformed bytes or wrong field types
-    │   └── IncompatiblePeerError   protocol version or layout fingerprint mismatch
+    │   ├── IncompatiblePeerError   protocol version or layout fingerprint mismatch
+    │   └── ForbiddenError          unsigned, forged, or without the offer's secret
     ├── ControlPlaneError           NATS trouble
     │   ├── NatsConnectError        the first connection failed: refused, timed out, auth, TLS, DNS
     │   ├── NoPeerError             nobody answers for that instance (no responders)
@@ -50,6 +51,7 @@ __all__ = [
     "DataPlaneError",
     "DuplicateRequestError",
     "FieldValue",
+    "ForbiddenError",
     "IncompatiblePeerError",
     "InvalidBlockError",
     "KVStreamError",
@@ -144,6 +146,11 @@ class IncompatiblePeerError(ProtocolError):
     def __init__(self, message: str, *, peer: str | None = None) -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class ForbiddenError(ProtocolError):
+    """The peer refused us: the message was not signed by the instance it names, or
+    it lacked the offer's secret (a pull, keep or abort of someone else's offer)."""
 
 
 class ControlPlaneError(KVStreamError):

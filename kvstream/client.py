@@ -68,6 +68,7 @@ class _RemoteHandle(Waitable):
         self.hid = hid
         self.request_id = request_id
         self.num_layers = num_layers
+        self.secret = ""  # an offer's secret (the pull must present it)
         self._result: TransferResult | None = None
         self._finished = anyio.Event()
 
@@ -199,17 +200,17 @@ class _LocalClient:
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None) -> Any:
+                    lease_s: float | None = None, secret: str | None = None) -> Any:
         return self.agent.offer(request_id, src_blocks, block_hashes=block_hashes, mode=mode,
-                                lease_s=lease_s)
+                                lease_s=lease_s, secret=secret)
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None) -> Any:
+                   trace_context: Context | None = None, secret: str = "") -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
                                      lookahead=lookahead, codec=codec, timeout=timeout,
-                                     trace_context=trace_context)
+                                     trace_context=trace_context, secret=secret)
 
     async def statistics(self) -> dict[str, int]:
         s = self.agent.statistics()
@@ -408,24 +409,29 @@ class _SidecarClient:
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None) -> RemoteSend:
-        """Hold blocks for a destination's ``pull`` (see ``Agent.offer``)."""
+                    lease_s: float | None = None, secret: str | None = None) -> RemoteSend:
+        """Hold blocks for a destination's ``pull`` (see ``Agent.offer``); the handle's
+        ``secret`` is what the destination's pull must present."""
+        def sent(ok: lp.Ok) -> RemoteSend:
+            handle = RemoteSend(self, ok.handle, ok.num_layers, request_id)
+            handle.secret = ok.secret
+            return handle
+
         return await self.request(
             lp.Offer(request_id=request_id, src_blocks=list(src_blocks),
                      block_hashes=list(block_hashes or []), mode=mode,  # type: ignore[arg-type]
-                     lease_s=lease_s),
-            lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
+                     lease_s=lease_s, secret=secret), sent)
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None) -> RemoteReceive:
+                   trace_context: Context | None = None, secret: str = "") -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),
-                    timeout=check_timeout(timeout)),
+                    timeout=check_timeout(timeout), secret=secret),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

@@ -42,14 +42,16 @@ class TransferClient(Protocol):
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None) -> Any:
-        """Hold ``src_blocks`` under a lease for a destination's pull; a send handle."""
+                    lease_s: float | None = None, secret: str | None = None) -> Any:
+        """Hold ``src_blocks`` under a lease for a destination's pull; a send handle. Only
+        a pull presenting the handle's ``secret`` (``secret``, or one made here) gets them."""
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None) -> Any:
-        """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``."""
+                   trace_context: Context | None = None, secret: str = "") -> Any:
+        """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``; ``secret`` is
+        the offer's, as the source handed it out."""
 
     async def statistics(self) -> dict[str, int]:
         """The agent's counters (``AgentStatistics``' integer fields)."""

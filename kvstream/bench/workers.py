@@ -218,6 +218,12 @@ async def _serve(spec: BenchSpec, target: str, role: str, cmd_q: Any, evt_q: Any
                 evt_q.put(Event(kind="error", run=cmd.run, reason=f"{type(exc).__name__}: {exc}"))
 
 
+def _secret(request_id: str) -> str:
+    """The offer secret both bench sides derive (one harness drives both: nothing to hide
+    from each other; a deployment's router passes the source's own instead)."""
+    return f"kvstream-bench-{request_id}"
+
+
 def _us_since(t: int) -> float:
     return (time.perf_counter_ns() - t) / 1e3
 
@@ -244,7 +250,8 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         t0, waited = time.monotonic(), 0.0
         if cmd.pull:
             handle = await side.client.pull(cmd.request_id, cmd.peer, cmd.blocks,
-                                            mode=cmd.pull, have=have, codec=cmd.codec)
+                                            mode=cmd.pull, have=have, codec=cmd.codec,
+                                            secret=_secret(cmd.request_id))
             if cmd.pull == "lazy":  # the decode forward: each layer's KV just before it
                 for layer in range(spec.layout.num_layers):
                     t = time.monotonic()
@@ -303,7 +310,7 @@ def prefill_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None
         t0 = time.monotonic()
         if cmd.pull:
             handle = await side.client.offer(cmd.request_id, cmd.blocks, mode=cmd.mode,
-                                             block_hashes=hashes)
+                                             block_hashes=hashes, secret=_secret(cmd.request_id))
         else:
             handle = await side.client.push(cmd.request_id, cmd.peer, cmd.blocks, mode=cmd.mode,
                                             block_hashes=hashes, codec=cmd.codec)

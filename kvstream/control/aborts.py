@@ -25,15 +25,18 @@ log = logging.getLogger("kvstream.control")
 
 
 async def request_abort(bus: ControlPort, subjects: Subjects, peer: str, *, reason: str, by: str,
-                        timeout: float, transfer_id: str = "", request_id: str = "") -> bool:
+                        timeout: float, transfer_id: str = "", request_id: str = "",
+                        secret: str = "") -> bool:
     """Send an ``Abort`` to ``peer``'s control subject and wait (at most ``timeout``) for its
     ``AbortAck``, which it sends once nothing of that transfer is in flight there.
 
     Returns False when the peer did not acknowledge (gone, slow, refused): the abort is
     best effort, since the peer's own deadlines end the transfer anyway (a ``peer`` that is
-    no valid instance id is one more way of not answering).
+    no valid instance id is one more way of not answering). ``secret``: the offer's, when
+    the abort names an offer by request id.
     """
-    msg = m.Abort(transfer_id=transfer_id, request_id=request_id, reason=reason, by=by)
+    msg = m.Abort(transfer_id=transfer_id, request_id=request_id, reason=reason, by=by,
+                  secret=secret)
     try:
         reply = await bus.request(subjects.control(peer), msg, timeout=timeout, peer=peer)
     except KVStreamError as exc:
@@ -43,14 +46,17 @@ async def request_abort(bus: ControlPort, subjects: Subjects, peer: str, *, reas
 
 
 async def release_offer(bus: ControlPort, namespace: str, src_instance: str, request_id: str,
-                        reason: str, *, by: str = "kvstream", timeout: float = 2.0) -> bool:
+                        reason: str, *, by: str = "kvstream", timeout: float = 2.0,
+                        secret: str = "") -> bool:
     """Tell ``src_instance`` to drop the offer it holds for ``request_id`` at once.
 
     For whoever routed the request when its decode side failed before it could pull (the
     proxy): the source ends the offer ``aborted`` and frees its blocks, instead of waiting
-    for the lease to expire. ``by`` names the sender in the offer's reason. A pull already
+    for the lease to expire. ``by`` names the sender in the offer's reason; ``secret`` is
+    the offer's (from its ``kv_transfer_params``) and ``bus`` must sign as ``by``
+    (``bus.seal``), or the source refuses. A pull already
     running is not stopped by this (only its puller can abort it). Returns True once the
     source acknowledged; False if it did not answer within ``timeout``.
     """
     return await request_abort(bus, Subjects(namespace), src_instance, reason=reason, by=by,
-                               timeout=timeout, request_id=request_id)
+                               timeout=timeout, request_id=request_id, secret=secret)

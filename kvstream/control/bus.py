@@ -12,9 +12,17 @@ import anyio
 import nats
 import nats.errors
 
-from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NatsConnectError, NoPeerError
+from kvstream._exceptions import (
+    ControlPlaneError,
+    MessageDecodeError,
+    NatsConnectError,
+    NoPeerError,
+    ProtocolError,
+)
 from kvstream.control import messages as m
 from kvstream.control.auth import NatsAuth
+from kvstream.control.identity import SENDER, Seal
+from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.reach import classify, probe, servers_of
 
 if TYPE_CHECKING:
@@ -37,16 +45,21 @@ class ControlBus:
         self._nc = nc
         self._subs: list[Subscription] = []
         self.malformed = 0
+        self.seal = Seal()
+        self.inflight = InFlight()
+        self._quiet = Throttle(log)
 
     @classmethod
     async def connect(cls, url: str, *, name: str, timeout: float = 5.0,
-                      auth: NatsAuth | None = None) -> ControlBus:
+                      auth: NatsAuth | None = None, randomize: bool = True,
+                      inbox_prefix: str = "_INBOX") -> ControlBus:
         """Connect to ``url`` (one server or a comma-separated list), reconnecting for
         ever once connected.
 
         The first connection fails with a ``NatsConnectError`` naming the real cause as
         soon as every server of ``url`` failed once (refused and DNS failures at once, a
-        silent server after ``connect_timeout``), and in any case after ``timeout``."""
+        silent server after ``connect_timeout``), and in any case after ``timeout``.
+        ``randomize=False`` tries the servers in the order given (nats-py shuffles them)."""
         from nats.aio.client import Client as NatsClient
 
         options = (auth or NatsAuth()).connect_options()
@@ -73,6 +86,7 @@ class ControlBus:
                                  name=name, connect_timeout=cast(int, min(timeout, 2.0)),
                                  allow_reconnect=True, max_reconnect_attempts=-1,
                                  reconnect_time_wait=cast(int, 0.2), error_cb=on_error,
+                                 dont_randomize=not randomize, inbox_prefix=inbox_prefix,
                                  **options)
         except BaseException as exc:
             with contextlib.suppress(Exception):
@@ -93,12 +107,20 @@ class ControlBus:
         connected = True
         return cls(nc)
 
+    @property
+    def connected_url(self) -> str | None:
+        """The server this connection is on now (None while reconnecting)."""
+        url = self._nc.connected_url
+        return None if url is None else url.geturl()
+
     async def request(
         self, subject: str, msg: m.ControlMessage, *, timeout: float,
         headers: dict[str, str] | None = None, peer: str | None = None,
     ) -> m.ControlUnion:
+        data = m.encode(msg)
         try:
-            reply = await self._nc.request(subject, m.encode(msg), timeout=timeout, headers=headers)
+            reply = await self._nc.request(subject, data, timeout=timeout,
+                                           headers=self.seal.outgoing(subject, data, headers))
         except nats.errors.NoRespondersError as exc:
             raise NoPeerError(f"no instance answers on {subject}", peer=peer,
                               no_responders=True) from exc
@@ -106,13 +128,17 @@ class ControlBus:
             raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer) from exc
         except nats.errors.Error as exc:
             raise ControlPlaneError(f"NATS request on {subject} failed: {exc}") from exc
+        if not self.seal.reply_from(reply.subject, reply.data, reply.headers, peer):
+            raise ProtocolError(f"the answer on {subject} is not signed by {peer or 'a peer'}")
         return m.decode(reply.data)
 
     async def publish(
         self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
     ) -> None:
+        data = m.encode(msg)
         try:
-            await self._nc.publish(subject, m.encode(msg), headers=headers)
+            await self._nc.publish(subject, data,
+                                   headers=self.seal.outgoing(subject, data, headers))
         except nats.errors.Error as exc:
             raise ControlPlaneError(f"NATS publish on {subject} failed: {exc}") from exc
 
@@ -126,25 +152,54 @@ class ControlBus:
         """
 
         async def on_msg(msg: Msg) -> None:
-            if spawn is not None:
-                spawn(handle, msg)
-            else:
-                await handle(msg)
-
-        async def handle(msg: Msg) -> None:
+            # Decoding and the signature check run here, in order and without a task:
+            # garbage and forgeries cost no more than that. What passes gets a task when
+            # ``spawn`` is given, within the bounds of ``inflight`` (else "busy").
             try:
                 decoded = m.decode(msg.data)
             except MessageDecodeError as exc:
                 self.malformed += 1
-                log.warning("dropped malformed message on %s: %s", msg.subject, exc)
+                self._quiet.warning("malformed", "dropped malformed message on %s: %s",
+                                    msg.subject, exc)
                 if msg.reply:
                     await self._safe_reply(msg, m.Reject(transfer_id="", code="malformed",
-                                                         reason=str(exc)))
+                                                         reason=str(exc)[:1000]))
                 return
+            headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
+            if headers is None:
+                self._quiet.warning("unauthenticated", "refused an unauthenticated message "
+                                    "on %s", msg.subject)
+                if msg.reply:
+                    await self._safe_reply(msg, m.Reject(
+                        transfer_id="", code="unauthenticated",
+                        reason="the message is not signed by the instance it names"))
+                return
+            if spawn is None:
+                await handle(decoded, headers, msg)
+                return
+            sender = headers.get(SENDER, "")
+            if not self.inflight.enter(sender):
+                self._quiet.warning("busy", "too many control messages in flight from %s",
+                                    sender or "?")
+                if msg.reply:
+                    await self._safe_reply(msg, m.Reject(
+                        transfer_id="", code="busy", reason="too many requests in flight"))
+                return
+            spawn(counted, decoded, headers, msg, sender)
+
+        async def counted(decoded: m.ControlUnion, headers: dict[str, str], msg: Msg,
+                          sender: str) -> None:
             try:
-                reply = await handler(decoded, dict(msg.headers or {}))
+                await handle(decoded, headers, msg)
+            finally:
+                self.inflight.leave(sender)
+
+        async def handle(decoded: m.ControlUnion, headers: dict[str, str], msg: Msg) -> None:
+            try:
+                reply = await handler(decoded, headers)
             except Exception:
-                log.exception("control handler failed on %s", msg.subject)
+                self._quiet.log(logging.ERROR, "handler", "control handler failed on %s",
+                                msg.subject, exc_info=True)
                 return
             if reply is not None and msg.reply:
                 await self._safe_reply(msg, reply)
@@ -155,8 +210,10 @@ class ControlBus:
             raise ControlPlaneError(f"cannot subscribe to {subject}: {exc}") from exc
 
     async def _safe_reply(self, msg: Msg, reply: m.ControlMessage) -> None:
+        data = m.encode(reply)
         try:
-            await msg.respond(m.encode(reply))
+            await self._nc.publish(msg.reply, data,
+                                   headers=self.seal.outgoing(msg.reply, data, None))
         except nats.errors.Error as exc:
             log.warning("could not reply on %s: %s", msg.reply, exc)
 
@@ -190,6 +247,8 @@ class ControlBus:
                 task = asyncio.current_task()
                 if task is not None and getattr(task, "cancelling", lambda: 1)():
                     raise
+            except (OSError, nats.errors.Error) as exc:  # the server is gone: closed anyway
+                log.debug("closing a broken NATS connection: %r", exc)
 
 
 async def _requires_auth(url: str) -> bool:

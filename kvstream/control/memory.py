@@ -27,8 +27,10 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError
+from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError, ProtocolError
 from kvstream.control import messages as m
+from kvstream.control.identity import SENDER, Seal
+from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.port import Handler
 
 __all__ = ["BUFFER", "DropRule", "MemoryBus", "MemoryHub"]
@@ -47,11 +49,12 @@ class _Reply:
     def __init__(self, subject: str) -> None:
         self.subject = subject
         self.data: bytes | None = None
+        self.headers: dict[str, str] | None = None
         self.done = anyio.Event()
 
-    def respond(self, data: bytes) -> None:
+    def respond(self, data: bytes, headers: dict[str, str] | None = None) -> None:
         if self.data is None:
-            self.data = data
+            self.data, self.headers = data, headers
             self.done.set()
 
 
@@ -93,29 +96,57 @@ class _Subscription:
     async def run(self) -> None:
         with self.scope, contextlib.suppress(anyio.ClosedResourceError, anyio.EndOfStream):
             async for d in self.recv:
-                if self.spawn is not None:
-                    self.spawn(self.handle, d)
-                else:
-                    await self.handle(d)
+                await self.admit(d)
 
-    async def handle(self, d: _Delivery) -> None:
-        """As ``ControlBus.serve``: malformed input counted and rejected, errors survived."""
-        hub = self.bus.hub
+    async def admit(self, d: _Delivery) -> None:
+        """As ``ControlBus.serve``: malformed and unauthenticated input counted, refused and
+        survived, in order; what passes gets a task with ``spawn``, within ``inflight``."""
+        bus, hub = self.bus, self.bus.hub
         try:
             decoded = m.decode(d.data)
         except MessageDecodeError as exc:
-            self.bus.malformed += 1
-            log.warning("dropped malformed message on %s: %s", d.subject, exc)
+            bus.malformed += 1
+            bus._quiet.warning("malformed", "dropped malformed message on %s: %s",
+                               d.subject, exc)
             if d.reply is not None:
-                hub._respond(d.reply, m.Reject(transfer_id="", code="malformed", reason=str(exc)))
+                hub._respond(d.reply, m.Reject(transfer_id="", code="malformed",
+                                               reason=str(exc)[:1000]), bus.seal)
             return
+        headers = bus.seal.incoming(d.subject, d.data, d.headers)
+        if headers is None:
+            if d.reply is not None:
+                hub._respond(d.reply, m.Reject(
+                    transfer_id="", code="unauthenticated",
+                    reason="the message is not signed by the instance it names"), bus.seal)
+            return
+        if self.spawn is None:
+            await self.handle(decoded, headers, d)
+            return
+        sender = headers.get(SENDER, "")
+        if not bus.inflight.enter(sender):
+            if d.reply is not None:
+                hub._respond(d.reply, m.Reject(transfer_id="", code="busy",
+                                               reason="too many requests in flight"), bus.seal)
+            return
+        self.spawn(self.counted, decoded, headers, d, sender)
+
+    async def counted(self, decoded: m.ControlUnion, headers: dict[str, str], d: _Delivery,
+                      sender: str) -> None:
         try:
-            reply = await self.handler(decoded, dict(d.headers))
+            await self.handle(decoded, headers, d)
+        finally:
+            self.bus.inflight.leave(sender)
+
+    async def handle(self, decoded: m.ControlUnion, headers: dict[str, str],
+                     d: _Delivery) -> None:
+        try:
+            reply = await self.handler(decoded, headers)
         except Exception:
-            log.exception("control handler failed on %s", d.subject)
+            self.bus._quiet.log(logging.ERROR, "handler", "control handler failed on %s",
+                                d.subject, exc_info=True)
             return
         if reply is not None and d.reply is not None:
-            hub._respond(d.reply, reply)
+            self.bus.hub._respond(d.reply, reply, self.bus.seal)
 
     def close(self) -> None:
         self.scope.cancel()
@@ -164,7 +195,8 @@ class MemoryHub:
 
     async def request_raw(self, subject: str, data: bytes, *, timeout: float = 1.0,
                           peer: str | None = None) -> m.ControlUnion:
-        return await self._request(subject, data, timeout=timeout, headers=None, peer=peer)
+        return await self._request(subject, data, timeout=timeout, headers=None, peer=peer,
+                                   seal=Seal())
 
     def _lost(self, subject: str, msg: m.ControlMessage) -> bool:
         if any(rule(subject, msg) for rule in self._rules):
@@ -196,7 +228,7 @@ class MemoryHub:
                 await sub.send.send(_Delivery(subject, data, dict(headers or {}), reply))
 
     async def _request(self, subject: str, data: bytes, *, timeout: float,
-                       headers: dict[str, str] | None, peer: str | None,
+                       headers: dict[str, str] | None, peer: str | None, seal: Seal,
                        lost: bool = False) -> m.ControlUnion:
         if not self._targets(subject):
             raise NoPeerError(f"no instance answers on {subject}", peer=peer, no_responders=True)
@@ -206,11 +238,14 @@ class MemoryHub:
             await reply.done.wait()
         if reply.data is None:
             raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer)
+        if not seal.reply_from(reply.subject, reply.data, reply.headers, peer):
+            raise ProtocolError(f"the answer on {subject} is not signed by {peer or 'a peer'}")
         return m.decode(reply.data)
 
-    def _respond(self, reply: _Reply, msg: m.ControlMessage) -> None:
+    def _respond(self, reply: _Reply, msg: m.ControlMessage, seal: Seal) -> None:
         if not self._lost(reply.subject, msg):
-            reply.respond(m.encode(msg))
+            data = m.encode(msg)
+            reply.respond(data, seal.outgoing(reply.subject, data, None))
 
 
 class MemoryBus:
@@ -220,6 +255,9 @@ class MemoryBus:
         self.hub = hub
         self.name = name
         self.malformed = 0
+        self.seal = Seal()
+        self.inflight = InFlight()
+        self._quiet = Throttle(log)
         self._subs: list[_Subscription] = []
         self._closed = False
 
@@ -232,14 +270,18 @@ class MemoryBus:
         headers: dict[str, str] | None = None, peer: str | None = None,
     ) -> m.ControlUnion:
         self._check()
-        return await self.hub._request(subject, m.encode(msg), timeout=timeout, headers=headers,
-                                       peer=peer, lost=self.hub._lost(subject, msg))
+        data = m.encode(msg)
+        return await self.hub._request(subject, data, timeout=timeout,
+                                       headers=self.seal.outgoing(subject, data, headers),
+                                       peer=peer, seal=self.seal,
+                                       lost=self.hub._lost(subject, msg))
 
     async def publish(
         self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
     ) -> None:
         self._check()
-        await self.hub._send(subject, m.encode(msg), headers, None,
+        data = m.encode(msg)
+        await self.hub._send(subject, data, self.seal.outgoing(subject, data, headers), None,
                              lost=self.hub._lost(subject, msg))
 
     async def serve(self, subject: str, handler: Handler,

@@ -13,6 +13,10 @@ History:
       pull (``Pull.codec``, ``Pull.wire_fingerprint``) and an FP8 cache's own scales
       (``Manifest.cache_scales``); the engine's HTTP base URL in ``Announce.endpoint``
       (read by ``kvstream proxy``; "" from older peers).
+  2 - every message signed by its sender (control/identity.py, in NATS headers);
+      data-plane tag prefixes random and 48 bits wide (dataplane/wire.py); an offer's
+      secret in ``Pull.secret``, ``Renew.secrets`` and ``Abort.secret``; reject codes
+      "unauthenticated" and "forbidden". Version 1 peers are refused (they do not sign).
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 1
-MIN_PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+MIN_PROTOCOL_VERSION: Final = 2
 
 Role = Literal["prefill", "decode", "both"]
 Mode = Literal["pipelined", "eager"]
@@ -53,7 +57,7 @@ PullMode = Literal["eager", "lazy"]
 Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]
 RejectCode = Literal[
     "malformed", "incompatible", "invalid_blocks", "no_reservation", "busy", "duplicate",
-    "unknown_transfer", "unknown_request",
+    "unknown_transfer", "unknown_request", "unauthenticated", "forbidden",
 ]
 
 
@@ -61,11 +65,13 @@ RejectCode = Literal[
 # message cannot make an agent hold or walk arbitrarily much. Generous for real use: a
 # request's blocks at block size 1 for a 1M-token prompt, 4096 layers, 64 KiB addresses.
 MAX_BLOCKS: Final = 1 << 20
+MAX_FORGOT: Final = 64  # entries of Announce.forgot
 MAX_LAYERS: Final = 4096
 Id = Annotated[str, msgspec.Meta(max_length=1024)]  # transfer, request and instance ids
 Text = Annotated[str, msgspec.Meta(max_length=8192)]  # reasons, fingerprints, codecs, URLs
 Address = Annotated[bytes, msgspec.Meta(max_length=64 << 10)]  # a UCX worker address
-Tag = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  # a transfer's 32-bit tag prefix (wire.py)
+Tag = Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)]  # a transfer's 48-bit tag prefix (wire.py)
+Secret = Annotated[str, msgspec.Meta(max_length=256)]  # an offer's secret (offers.py)
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Layers = Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]],
@@ -97,6 +103,9 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     seq: Count = 0
     # The engine's OpenAI-compatible HTTP base URL, for the proxy; "" = not routable.
     endpoint: Text = ""
+    # Peers whose UCX endpoint this instance aborted (held dead), with a count that grows
+    # each time: a peer that finds itself here with a higher count drops its endpoint too.
+    forgot: Annotated[dict[Id, Count], msgspec.Meta(max_length=64)] = {}
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
@@ -169,6 +178,8 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     # (``quant.scheme.wire_fingerprint``); the source may answer "none" (an FP8 cache).
     codec: Text = "none"
     wire_fingerprint: Text = ""
+    # The offer's secret, as the source handed it out (``SendHandle.secret``).
+    secret: Secret = ""
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):
@@ -176,6 +187,7 @@ class Renew(ControlMessage, tag="kv.renew", frozen=True):
 
     by: Id
     request_ids: Ids
+    secrets: Annotated[list[Secret], msgspec.Meta(max_length=1 << 16)] = []  # one per id
 
 
 class RenewAck(ControlMessage, tag="kv.renew_ack", frozen=True):
@@ -210,6 +222,7 @@ class Abort(ControlMessage, tag="kv.abort", frozen=True):
     request_id: Id
     reason: Text
     by: Id
+    secret: Secret = ""  # an offer's secret, when the abort names an offer or a lease
 
 
 class AbortAck(ControlMessage, tag="kv.abort_ack", frozen=True):

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvstream.control import messages as m
+from kvstream.control.identity import Seal
 
 __all__ = ["ControlPort", "Handler"]
 
@@ -22,6 +23,7 @@ class ControlPort(Protocol):
     """The surface of ``ControlBus`` an agent uses (``ControlBus`` matches it as is)."""
 
     malformed: int  # messages served here that did not decode
+    seal: Seal  # signs what is sent, checks what arrives, once its owner sets it up
 
     async def request(
         self, subject: str, msg: m.ControlMessage, *, timeout: float,

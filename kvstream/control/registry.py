@@ -21,6 +21,7 @@ class PeerInfo(msgspec.Struct, kw_only=True):
     announce: Announce | None
     last_seen: float
     left: bool = False
+    key: bytes = b""  # the Ed25519 public key this incarnation signs with (identity.py)
 
 
 class Registry:
@@ -40,6 +41,7 @@ class Registry:
         self._clock = clock
         self._peers: dict[str, PeerInfo] = {}
         self.refused = 0
+        self.keys_refused = 0
 
     def _room_for(self, instance_id: str) -> bool:
         if instance_id in self._peers or len(self._peers) < self.max_peers:
@@ -54,9 +56,33 @@ class Registry:
         return False
 
     def observe(self, announce: Announce) -> None:
-        if self._room_for(announce.instance_id):
-            self._peers[announce.instance_id] = PeerInfo(announce=announce,
-                                                         last_seen=self._clock())
+        info = self._peers.get(announce.instance_id)
+        if info is not None and not info.left:
+            info.announce, info.last_seen = announce, self._clock()
+        elif self._room_for(announce.instance_id):
+            self._peers[announce.instance_id] = PeerInfo(
+                announce=announce, last_seen=self._clock(), key=info.key if info else b"")
+
+    def bind_key(self, instance_id: str, key: bytes) -> bool:
+        """Is ``key`` the one ``instance_id`` signs with? The first key seen for an id is
+        bound to it; another key is refused (and counted) while the bound incarnation is
+        alive, and takes over once it left or fell silent (a restart)."""
+        info = self._peers.get(instance_id)
+        if info is None:
+            if not self._room_for(instance_id):
+                return False
+            self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key)
+            return True
+        if info.key == key:
+            return True
+        if not info.key:
+            info.key = key
+            return True
+        if self.alive(instance_id):
+            self.keys_refused += 1
+            return False
+        self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key)
+        return True
 
     def contact(self, instance_id: str) -> None:
         """Any message from a peer proves it alive (and starts watching it)."""
@@ -74,6 +100,18 @@ class Registry:
         info = self._peers.get(instance_id)
         if info is not None:
             info.left = True
+
+    def address_ok(self, instance_id: str, address: bytes) -> bool:
+        """Does a message of ``instance_id`` name the worker address it announces (or has
+        it not announced one yet)?"""
+        info = self._peers.get(instance_id)
+        return info is None or info.announce is None or info.announce.worker_address == address
+
+    def address_shared(self, address: bytes, but: str) -> bool:
+        """Does a live instance other than ``but`` announce ``address`` (agents of one
+        process share a UCX worker)? Then its endpoint must outlive ``but``."""
+        return any(p.announce is not None and p.announce.worker_address == address
+                   and self.alive(iid) for iid, p in self._peers.items() if iid != but)
 
     def get(self, instance_id: str) -> PeerInfo | None:
         return self._peers.get(instance_id)

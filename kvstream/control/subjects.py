@@ -42,12 +42,19 @@ class Subjects:
     def control_all(self) -> str:
         return f"{self.prefix}.inst.*.ctl"
 
+    def inbox(self, instance_id: str) -> str:
+        """The prefix of an instance's reply subjects: its own, so that NATS permissions
+        can keep every other client from reading its answers (accepts carry data-plane
+        tags)."""
+        return f"_INBOX.kvs.{self.namespace}.{_check('instance id', instance_id)}"
+
     def permissions(self, instance_id: str) -> dict[str, list[str]]:
         """The least an instance needs on NATS (docs/architecture.md, "NATS credentials and
         permissions"): publish to control subjects, its own registry subject and reply
-        inboxes; subscribe to its own control subject, the registry and its inboxes."""
+        inboxes; subscribe to its own control subject, the registry and its own inboxes."""
         return {"publish": [self.control_all, self.registry(instance_id), "_INBOX.>"],
-                "subscribe": [self.control(instance_id), self.registry_all, "_INBOX.>"]}
+                "subscribe": [self.control(instance_id), self.registry_all,
+                              f"{self.inbox(instance_id)}.>"]}
 
     @staticmethod
     def check_instance_id(instance_id: str) -> str:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-from kvstream._exceptions import DataPlaneError
+from kvstream._exceptions import DataPlaneError, ProtocolError
 
 __all__ = ["LoopbackFabric", "LoopbackRecv", "LoopbackTransport"]
 
@@ -140,6 +141,11 @@ class LoopbackTransport:
     def address(self) -> bytes:
         return self._address
 
+    def check_address(self, peer_address: bytes) -> bytes:
+        if not peer_address.startswith(b"loopback-"):
+            raise ProtocolError(f"not a loopback address: {peer_address[:32]!r}")
+        return peer_address
+
     async def send(self, peer_address: bytes, buf: Any, tag: int) -> None:
         self._check()
         _check_tag(tag)
@@ -174,6 +180,14 @@ class LoopbackTransport:
     def forget_peer(self, peer_address: bytes) -> None:
         """Nothing to abort: a send never stays in flight here. Counted for tests."""
         self.forgotten += 1
+
+    def sweep(self, is_live: Callable[[int], bool], max_messages: int = 1024) -> int:
+        dropped = 0
+        for tag in [t for t in self._unexpected if not is_live(t)]:
+            if dropped >= max_messages:
+                break
+            dropped += len(self._unexpected.pop(tag))
+        return dropped
 
     async def close(self) -> None:
         if self._ended is None:

@@ -52,6 +52,23 @@ class SendStream(Stream):
         self.remote_done = anyio.Event()
         self.remote_status: tuple[str, str] = ("", "")
 
+    async def _unstick(self) -> None:
+        """Once the transfer is ending, give sends in flight a bound: a peer that is alive
+        but takes none of them (stopped receiving, or a receive taken by someone else)
+        would otherwise hold this transfer, its buffers and the agent's stop() for ever.
+        Aborting the endpoint cancels them in UCX (so no buffer is freed under a send);
+        an endpoint another live instance shares is left, and only the wait ends."""
+        await self.stopping.wait()
+        with anyio.move_on_after(2 * self.env.config.request_timeout_s):
+            await self.quiesced.wait()
+            return
+        log.warning("%r: sends still in flight %.1fs after it ended; the peer takes none: "
+                    "cancelling them", self.transfer, 2 * self.env.config.request_timeout_s)
+        if not self.env.address_shared(self.peer_address, self.peer):
+            self.env.forget(self.peer, self.peer_address)
+        state, reason, cause = self._ending()
+        self.stop(state, reason, peer_dead=True, cause=cause)
+
     def on_remote_done(self, status: str, reason: str) -> None:
         self.remote_status = (status, reason)
         self.remote_done.set()
@@ -156,6 +173,7 @@ class SendStream(Stream):
             with self._io_scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._credit_loop)
+                    tg.start_soon(self._unstick)
                     async with anyio.create_task_group() as sends:
                         with self._loop_scope:
                             await self._stream(sends)

@@ -54,6 +54,11 @@ class StreamEnv:
     publish_done: Callable[[str, Any], Awaitable[None]]
     count: Callable[[str, int], None]
     peer_alive: Callable[[str], bool]
+    # (address, peer) -> does a live instance other than that peer use this address?
+    address_shared: Callable[[bytes, str], bool] = lambda address, peer: False
+    # Drop the endpoint to a peer held dead or stuck, and let that peer know (it must drop
+    # its own, or its next send into the aborted endpoint is cancelled).
+    forget: Callable[[str, bytes], None] = lambda peer, address: None
 
 
 def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
@@ -86,6 +91,7 @@ class Stream:
         self._loop_scope = anyio.CancelScope()
         self._io_scope = anyio.CancelScope()
         self.stopped = anyio.Event()
+        self.stopping = anyio.Event()  # an outcome is decided; the I/O is winding down
         # Set once nothing of ours is in flight toward the peer (what an AbortAck promises).
         self.quiesced = anyio.Event()
         # The receive half calls it once every byte is here (the peer's death then no
@@ -104,12 +110,15 @@ class Stream:
                 cause = EndCause.PEER_ABORT
             self._outcome = (state, reason, cause)
             self._peer_initiated = by_peer
+            self.stopping.set()
         if peer_dead and not self._peer_dead:
             self._peer_dead = True
             # The endpoint is shared by every transfer with that peer: abort it only when
             # the peer is really gone, not merely slow to acknowledge one abort.
-            if not self.env.peer_alive(self.peer):
-                self.env.transport.forget_peer(self.peer_address)
+            # A forged peer naming a live instance's address must not take its endpoint along.
+            if not self.env.peer_alive(self.peer) and \
+                    not self.env.address_shared(self.peer_address, self.peer):
+                self.env.forget(self.peer, self.peer_address)
             self._io_scope.cancel()
         self._loop_scope.cancel()
 

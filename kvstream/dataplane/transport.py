@@ -7,6 +7,7 @@ its 64-bit tag; a message nobody has posted for waits until someone does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["PostedReceive", "Transport"]
@@ -33,6 +34,11 @@ class Transport(Protocol):
         """This worker's address, as peers pass it to ``send``."""
         ...
 
+    def check_address(self, peer_address: bytes) -> bytes:
+        """The address as given if this transport can use it; ``ProtocolError`` if not
+        (checked before a peer's address reaches UCX: a malformed one aborts UCX)."""
+        ...
+
     async def send(self, peer_address: bytes, buf: Any, tag: int) -> None: ...
 
     def post_recv(self, buf: Any, tag: int) -> PostedReceive:
@@ -45,6 +51,13 @@ class Transport(Protocol):
 
     def forget_peer(self, peer_address: bytes) -> None:
         """Drop a dead peer's endpoint; a later send opens a new one."""
+        ...
+
+    def sweep(self, is_live: Callable[[int], bool], max_messages: int = 1024) -> int:
+        """Discard unread the messages waiting on tags nobody here will post for
+        (``is_live`` false: a late message of an ended transfer, a stray, garbage);
+        returns how many. UCX's stops at the first live tag it meets (the oldest
+        waiting message first); the loopback's looks at every tag."""
         ...
 
     async def close(self) -> None: ...

@@ -14,7 +14,14 @@ Why it looks like this (measured, see PERF.md and docs/architecture.md):
   shared by every agent in the process; tag prefixes are per process too.
 * A posted receive cannot be cancelled one by one through ucxx, so
   ``drain(tag)`` completes it with a zero-byte message from this worker to
-  itself, without touching the buffer.
+  itself, without touching the buffer. That self endpoint is kept apart from
+  the per-peer cache: a forged peer naming our own address and then being
+  forgotten must not abort it.
+* Peer addresses come from the network; UCX aborts the process on a malformed
+  one, so ``endpoint`` passes each through ``check_worker_address`` first.
+* Anyone holding our address can send tagged messages nobody will receive;
+  UCX keeps them in its unexpected queue forever and hands them to the next
+  receive on that tag. ``sweep`` discards those whose tag no transfer owns.
 """
 
 from __future__ import annotations
@@ -22,10 +29,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
-from kvstream._exceptions import ConfigError, DataPlaneError
+from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
 from kvstream.config import PROGRESS_MODES
+from kvstream.dataplane.address import (
+    check_local_segments,
+    check_worker_address,
+    unknown_transports,
+)
 
 __all__ = ["PROGRESS_MODES", "PostedRecv", "UcxWorker", "as_ucx_buffer"]
 
@@ -38,6 +51,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCXX_LOG_LEVEL", "ERROR")
 
 _EMPTY: Any = None
+
+# Discarded messages land here; a longer one is truncated, which UCX completes as an
+# error after consuming the message, so a huge rendezvous send costs us nothing.
+SWEEP_SCRATCH_BYTES: Final = 64 * 1024
 
 
 def _ucxx() -> Any:
@@ -78,8 +95,15 @@ class _Shared:
     loop: asyncio.AbstractEventLoop | None = None
     mode: str | None = None
     error_handling = False
-    self_ep: Any = None
+    address = b""
+    self_ep: Any = None  # drain's endpoint to ourselves; never in ``endpoints``
     endpoints: dict[bytes, Any] = {}
+    scratch: Any = None  # SWEEP_SCRATCH_BYTES, alive while a discard may write into it
+    discards: list[Any] = []  # sweep's receives not yet completed
+
+
+def _unified_mode() -> bool:
+    return os.environ.get("UCX_UNIFIED_MODE", "n").strip().lower() in ("y", "yes", "on", "1")
 
 
 class UcxWorker:
@@ -92,6 +116,10 @@ class UcxWorker:
     async def open(cls, *, progress_mode: str = "thread", error_handling: bool = False) -> UcxWorker:
         if progress_mode not in PROGRESS_MODES:
             raise ConfigError(f"progress mode must be one of {PROGRESS_MODES}, got {progress_mode!r}")
+        if _unified_mode():
+            # Unified-mode addresses leave out what check_worker_address needs to walk them.
+            raise ConfigError("UCX_UNIFIED_MODE is not supported: peer addresses could not be "
+                              "validated; unset it")
         ucxx = _ucxx()
         loop = asyncio.get_running_loop()
         if _Shared.refs == 0:
@@ -101,7 +129,21 @@ class UcxWorker:
             except Exception as exc:
                 raise DataPlaneError(f"UCX worker setup failed: {exc}") from exc
             _Shared.loop, _Shared.mode, _Shared.error_handling = loop, progress_mode, error_handling
-            _Shared.endpoints = {}
+            _Shared.endpoints, _Shared.discards = {}, []
+            _Shared.address = bytes(ucxx.get_worker_address().tobytes())
+            try:
+                # Peers configured like us send addresses like ours: refuse the setting now,
+                # not every peer later.
+                check_worker_address(_Shared.address)
+            except ProtocolError as exc:
+                _reset(ucxx)
+                _Shared.loop = None
+                raise ConfigError(f"this UCX configuration makes worker addresses kvstream "
+                                  f"cannot validate: {exc}") from exc
+            if unknown := unknown_transports(_Shared.address):
+                log.warning("UCX transports %s are not known to kvstream's address check: "
+                            "their peer addresses are checked for structure only",
+                            ", ".join(f"{c:#06x}" for c in sorted(unknown)))
         elif _Shared.loop is not loop:
             raise DataPlaneError("every kvstream agent of a process must run on one event loop")
         _Shared.refs += 1
@@ -111,28 +153,37 @@ class UcxWorker:
 
     @property
     def address(self) -> bytes:
-        return bytes(_ucxx().get_worker_address().tobytes())
+        return _Shared.address
 
     async def endpoint(self, peer_address: bytes) -> Any:
+        """The cached endpoint to a peer, opened on first use.
+
+        ``ProtocolError`` if ``peer_address`` is not a well-formed worker address, or
+        names a shared-memory FIFO that is not one (it never reaches UCX then);
+        ``DataPlaneError`` if UCX cannot open the endpoint.
+        """
         ep = _Shared.endpoints.get(peer_address)
         if ep is not None:
             return ep
-        ucxx = _ucxx()
-        try:
-            addr = ucxx.get_ucx_address_from_buffer(peer_address)
-            ep = await ucxx.create_endpoint_from_worker_address(
-                addr, endpoint_error_handling=_Shared.error_handling
-            )
-        except Exception as exc:
-            raise DataPlaneError(f"cannot open a UCX endpoint to the peer: {exc}") from exc
+        ep = await _connect(self.check_address(peer_address))
         # Another task may have raced us to the same peer; keep the first.
         return _Shared.endpoints.setdefault(peer_address, ep)
+
+    def check_address(self, peer_address: bytes) -> bytes:
+        """``peer_address`` if UCX may be handed it, else ``ProtocolError``."""
+        address = check_worker_address(peer_address)
+        check_local_segments(address, _Shared.address)
+        return address
 
     async def send(self, peer_address: bytes, buf: Any, tag: int) -> None:
         ep = await self.endpoint(peer_address)
         try:
             await ep.send(as_ucx_buffer(buf), tag=tag, force_tag=True)
         except Exception as exc:
+            # A send fails only on a broken endpoint (the peer aborted its side, or died):
+            # the next transfer opens a fresh one instead of failing on this one too.
+            if _Shared.endpoints.get(peer_address) is ep:
+                self.forget_peer(peer_address)
             raise DataPlaneError(f"UCX send (tag {tag:#x}) failed: {exc}") from exc
 
     async def recv(self, buf: Any, tag: int) -> None:
@@ -158,7 +209,9 @@ class UcxWorker:
         """Complete a receive posted on ``tag`` without writing into its buffer."""
         global _EMPTY
         if _Shared.self_ep is None:
-            _Shared.self_ep = await self.endpoint(self.address)
+            ep = await _connect(_Shared.address)
+            if _Shared.self_ep is None:  # a concurrent drain may have made one meanwhile
+                _Shared.self_ep = ep
         if _EMPTY is None:
             import numpy as np
 
@@ -167,6 +220,63 @@ class UcxWorker:
             await _Shared.self_ep.send(_EMPTY, tag=tag, force_tag=True)
         except Exception as exc:
             raise DataPlaneError(f"could not drain UCX tag {tag:#x}: {exc}") from exc
+
+    def sweep(self, is_live: Callable[[int], bool], max_messages: int = 1024) -> int:
+        """Discard unexpected tagged messages whose tag ``is_live`` says nobody owns.
+
+        The engine calls it now and then, with a predicate that is true for every tag
+        a transfer has a receive posted on or will post one on soon (a receive posted
+        in "thread" mode reaches UCX a moment later, so its message may wait unexpected
+        meanwhile). It looks at the oldest message no receive has claimed; if its
+        64-bit tag is not live it removes exactly that message and receives it into a
+        bounded scratch buffer (a longer one is truncated: consumed, never allocated
+        for), and goes on. It stops at the first live tag (its receive will claim it),
+        when the queue is empty, or after ``max_messages``. Returns how many it
+        discarded. Never blocks; ``DataPlaneError`` if UCX refuses a probe.
+
+        Safe while UCX progresses in its own thread: ucxx makes the worker UCX thread
+        mode MULTI, so each probe holds the worker lock; a removed message is only ever
+        received through the handle its removing probe returned, so no posted receive
+        can match it; a receive that took the message between the two probes just
+        makes the second find nothing.
+        """
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMask, TagMaskFull
+
+        worker = _ucxx().core._get_ctx().worker
+        _Shared.discards = [req for req in _Shared.discards if not req.completed]
+        if _Shared.scratch is None:
+            import numpy as np
+
+            _Shared.scratch = np.empty(SWEEP_SCRATCH_BYTES, dtype=np.uint8)
+        discarded = 0
+        for _ in range(max_messages):
+            try:
+                head = worker.tag_probe(Tag(0), TagMask(0), remove=False)
+            except Exception as exc:
+                raise DataPlaneError(f"UCX probe of unexpected messages failed: {exc}") from exc
+            if not head.matched:
+                break
+            tag = int(head.sender_tag.value)
+            if is_live(tag):
+                break
+            try:
+                probe = worker.tag_probe(Tag(tag), TagMaskFull, remove=True)
+                if not probe.matched:
+                    continue
+                # ``length`` is the sender's word; the scratch bounds what is written.
+                buf = Array(_Shared.scratch[:min(probe.length, SWEEP_SCRATCH_BYTES)])
+                req = worker.tag_recv_with_handle(buf, probe)
+            except Exception as exc:
+                raise DataPlaneError(f"UCX discard of tag {tag:#x} failed: {exc}") from exc
+            fut = getattr(req, "future", None)
+            if fut is not None:  # a truncated discard fails it; nobody awaits it
+                fut.add_done_callback(_consume)
+            _Shared.discards.append(req)
+            discarded += 1
+        if discarded:
+            log.debug("swept %d unexpected UCX messages", discarded)
+        return discarded
 
     def forget_peer(self, peer_address: bytes) -> None:
         """Drop a dead peer's endpoint, cancelling what is in flight to it."""
@@ -190,11 +300,40 @@ class UcxWorker:
                 ep.abort()
             except Exception as exc:
                 log.debug("endpoint abort at close: %s", exc)
+        if _Shared.self_ep is not None:
+            try:
+                _Shared.self_ep.abort()
+            except Exception as exc:
+                log.debug("self endpoint abort at close: %s", exc)
         _Shared.endpoints = {}
         _Shared.self_ep = None
-        try:
-            ucxx.stop_notifier_thread()
-            ucxx.reset()
-        except Exception as exc:
-            log.debug("ucxx reset: %s", exc)
+        _reset(ucxx)
+        # Only now: a discard still queued in UCX may write into the scratch until reset.
+        _Shared.discards, _Shared.scratch = [], None
         _Shared.loop = None
+
+
+async def _connect(address: bytes) -> Any:
+    """A new endpoint to a worker address already checked."""
+    ucxx = _ucxx()
+    try:
+        addr = ucxx.get_ucx_address_from_buffer(address)
+        return await ucxx.create_endpoint_from_worker_address(
+            addr, endpoint_error_handling=_Shared.error_handling
+        )
+    except Exception as exc:
+        raise DataPlaneError(f"cannot open a UCX endpoint to the peer: {exc}") from exc
+
+
+def _consume(fut: Any) -> None:
+    """Retrieve a discard's outcome, so asyncio does not log an exception nobody awaited."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _reset(ucxx: Any) -> None:
+    try:
+        ucxx.stop_notifier_thread()
+        ucxx.reset()
+    except Exception as exc:
+        log.debug("ucxx reset: %s", exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstream.transfer.state import EndCause, TransferState
@@ -58,6 +58,8 @@ class Renew:
 
     src: str
     request_ids: tuple[str, ...]
+    # Each one's offer secret, taken with the ids (an entry may end before the send).
+    secrets: tuple[str, ...] = field(default=(), compare=False)
 
 
 Action = Stop | Finish | TellKeeper | LoseLease | Renew

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import CapacityError, ConfigError, InvalidBlockError
+from kvstream._exceptions import CapacityError, ConfigError, InvalidBlockError, ProtocolError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
@@ -39,7 +39,11 @@ if TYPE_CHECKING:
 
     Reject = Callable[[m.RejectCode, str], m.Reject]
 
-__all__ = ["Admission"]
+__all__ = ["STAGING_PEER_SHARE", "Admission"]
+
+# The most of the staging pool one source may hold in pushes nobody reserved for yet (its
+# first may be larger): a peer that floods manifests cannot starve every other sender.
+STAGING_PEER_SHARE = 0.5
 
 log = logging.getLogger("kvstream.agent")
 
@@ -115,6 +119,14 @@ class Admission:
             Subjects.check_instance_id(msg.src)
         except ConfigError as exc:
             return reject("malformed", str(exc))
+        try:
+            core.transport.check_address(msg.src_address)
+        except ProtocolError as exc:
+            return reject("malformed", f"the manifest's worker address: {exc}")
+        if not core.registry.address_ok(msg.src, msg.src_address):
+            core.count("forbidden", 1)
+            return reject("forbidden", f"the manifest names another worker address than the "
+                          f"one {msg.src} announces")
         if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
             return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
                           f"in {mem.num_blocks} registered blocks")
@@ -155,6 +167,13 @@ class Admission:
         core = self.core
         single = single_message_for(mem, is_run(msg.src_blocks), False, msg.codec)
         layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+        need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers
+        held = sum(e.staged_bytes for e in core.book.receiving.values()
+                   if e.kind is Kind.STAGED and e.peer == msg.src)
+        if held and held + need > core.staging.max_bytes * STAGING_PEER_SHARE:
+            return reject("busy", f"{msg.src} already holds {held} B of staging here without "
+                          f"reservations (at most {STAGING_PEER_SHARE:.0%} of "
+                          f"{core.staging.max_bytes} B per source)")
         try:
             entry = core.book.stage(msg.request_id, msg.transfer_id, msg.src, core.clock(),
                                     promised=msg.dst_blocks)
@@ -162,6 +181,7 @@ class Admission:
             return reject("busy", str(exc))
         slots = core.staging.try_acquire_all(
             [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
+        entry.staged_bytes = need
         if slots is None:
             core.book.drop(entry)
             return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
@@ -182,7 +202,7 @@ class Admission:
         t = handle.transfer
         t.deadline_s = msg.deadline_s  # the sender's deadline holds on both sides
         core.registry.contact(msg.src)
-        dst_tag = wire.next_xfer_tag()
+        dst_tag = core.new_tag(t)
         src_kept = without(msg.src_blocks, skip)
         stream = RecvStream(core.env(), handle, peer_address=msg.src_address,
                             src_tag=msg.src_tag, dst_tag=dst_tag,

@@ -20,6 +20,7 @@ from opentelemetry.metrics import Observation
 from kvstream import telemetry
 from kvstream._exceptions import ConfigError, KVStreamError
 from kvstream.control import messages as m
+from kvstream.control.identity import SENDER
 from kvstream.control.registry import Registry
 from kvstream.dataplane.send import SendStream
 from kvstream.dataplane.staging import StagingPool
@@ -31,6 +32,7 @@ from kvstream.engine.offers import Offers
 from kvstream.engine.ports import open_control, open_transport
 from kvstream.engine.pull import Puller
 from kvstream.engine.push import Pusher
+from kvstream.engine.rules import claimed_sender
 from kvstream.engine.stats import AgentStatistics, snapshot
 from kvstream.memory import RegisteredKV
 from kvstream.transfer.state import EndCause, TransferState
@@ -165,28 +167,33 @@ class Agent:
 
     def offer(self, request_id: str, src_blocks: Sequence[int], *,
               block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-              lease_s: float | None = None) -> SendHandle:
+              lease_s: float | None = None, secret: str | None = None) -> SendHandle:
         return self._offers.offer(request_id, src_blocks, block_hashes=block_hashes,
-                                  mode=mode, lease_s=lease_s)
+                                  mode=mode, lease_s=lease_s, secret=secret)
 
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None) -> ReceiveHandle:
+                   trace_context: Context | None = None, secret: str = "") -> ReceiveHandle:
         return await self._puller.pull(
             request_id, src, dst_blocks, mode=mode, have=have, lookahead=lookahead,
-            timeout=timeout, codec=codec, trace_context=trace_context)
+            timeout=timeout, codec=codec, trace_context=trace_context, secret=secret)
 
-    async def keep(self, request_id: str, src_instance: str) -> RemoteLease:
-        return await self._keeper.keep(request_id, src_instance)
+    async def keep(self, request_id: str, src_instance: str, secret: str = "") -> RemoteLease:
+        return await self._keeper.keep(request_id, src_instance, secret)
 
     async def release(self, request_id: str, src_instance: str,
-                      reason: str = "the destination no longer wants it") -> bool:
-        return await self._keeper.release(request_id, src_instance, reason)
+                      reason: str = "the destination no longer wants it",
+                      secret: str = "") -> bool:
+        return await self._keeper.release(request_id, src_instance, reason, secret)
 
     # -- control plane -----------------------------------------------------------------
     async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]
                           ) -> m.ControlMessage | None:
+        # The bus checked the signature; a request must also come from whom it names.
+        sender = headers.get(SENDER, "")
+        if claimed_sender(msg) not in (None, sender):
+            return self._forbidden(msg, sender, f"it names {claimed_sender(msg)} as sender")
         match msg:
             case m.Manifest():
                 return await self._admission.on_manifest(msg, headers)
@@ -198,6 +205,8 @@ class Agent:
                 return self._offers.on_renew(msg)
             case m.Done():
                 entry = self._core.book.lookup(msg.transfer_id)
+                if entry is not None and entry.peer != sender:
+                    return self._forbidden(msg, sender, f"the transfer's peer is {entry.peer}")
                 if entry is not None and isinstance(entry.runner, SendStream):
                     entry.runner.on_remote_done(msg.status, msg.reason)
                 return None
@@ -205,9 +214,17 @@ class Agent:
                 return m.Reject(transfer_id="", code="malformed",
                                 reason=f"{type(msg).__name__} is not a control request")
 
+    def _forbidden(self, msg: m.ControlUnion, sender: str, why: str) -> m.Reject:
+        self._core.count("forbidden", 1)
+        log.warning("refused %s from %s: %s", type(msg).__name__, sender or "?", why)
+        return m.Reject(transfer_id=getattr(msg, "transfer_id", ""), code="forbidden",
+                        reason=f"{type(msg).__name__} refused: {why}")
+
     async def _on_abort(self, msg: m.Abort) -> m.ControlMessage:
         core = self._core
         entry = core.book.lookup(msg.transfer_id) if msg.transfer_id else None
+        if entry is not None and entry.peer != msg.by:  # msg.by is the checked sender
+            return self._forbidden(msg, msg.by, f"the transfer's peer is {entry.peer}")
         if entry is None:
             # No running transfer by that id: an offer or a lease by request id, or already
             # over here; either way nothing of ours is in flight for it after this.
@@ -232,7 +249,9 @@ class Agent:
 
     def statistics(self) -> AgentStatistics:
         control = self._core._control
-        return snapshot(self._core, control.malformed if control is not None else 0)
+        if control is None:
+            return snapshot(self._core, 0)
+        return snapshot(self._core, control.malformed, control.seal.forged)
 
     def peers(self, role: str | None = None) -> list[m.Announce]:
         """Live instances from the registry (optionally of one role)."""

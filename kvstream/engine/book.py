@@ -16,8 +16,9 @@ transfer that has none, tell a keeper, lose a lease, renew). The book owns the r
 
 from __future__ import annotations
 
+import hmac
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from kvstream._exceptions import CapacityError, DuplicateRequestError
@@ -26,13 +27,19 @@ from kvstream.engine.entry import Entry, Kind
 from kvstream.transfer.state import EndCause, TransferState
 
 __all__ = ["Action", "Book", "Entry", "Finish", "Kind", "LoseLease", "Renew", "Stop",
-           "TellKeeper"]
+           "TellKeeper", "secret_matches"]
 
 Alive = Callable[[str], bool]
 
 
 COUNTERS: Final = ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
-                   "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent")
+                   "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent",
+                   "forbidden", "data_discarded")
+
+
+def secret_matches(entry: Entry, secret: str) -> bool:
+    """Does ``secret`` open this offer? (constant time; an offer made without one is open)"""
+    return not entry.secret or hmac.compare_digest(entry.secret.encode(), secret.encode())
 
 
 class Book:
@@ -106,12 +113,13 @@ class Book:
         self.pushes.add(entry)
         return entry
 
-    def offer(self, request_id: str, transfer_id: str, lease_s: float, now: float) -> Entry:
+    def offer(self, request_id: str, transfer_id: str, lease_s: float, now: float,
+              secret: str = "") -> Entry:
         if request_id in self.offers:
             raise DuplicateRequestError(f"request {request_id!r} is already offered",
                                         request_id=request_id)
         entry = self._open(Entry(Kind.OFFER, request_id, transfer_id=transfer_id, opened_at=now,
-                                 lease_s=lease_s, lease_until=now + lease_s))
+                                 lease_s=lease_s, lease_until=now + lease_s, secret=secret))
         self.offers[request_id] = entry
         return entry
 
@@ -121,21 +129,21 @@ class Book:
         entry.kind, entry.peer = Kind.SERVE, peer
         entry.lease_until = now + entry.lease_s
 
-    def pull(self, src: str, request_id: str, now: float) -> Entry:
+    def pull(self, src: str, request_id: str, now: float, secret: str = "") -> Entry:
         key = (src, request_id)
         if key in self.pulls:
             raise DuplicateRequestError(f"{request_id!r} at {src} is already being pulled",
                                         request_id=request_id, peer=src)
-        entry = self._open(Entry(Kind.PULL, request_id, peer=src, opened_at=now))
+        entry = self._open(Entry(Kind.PULL, request_id, peer=src, opened_at=now, secret=secret))
         self.pulls[key] = entry
         return entry
 
-    def keep(self, src: str, request_id: str, now: float) -> Entry:
+    def keep(self, src: str, request_id: str, now: float, secret: str = "") -> Entry:
         key = (src, request_id)
         if key in self.leases or key in self.pulls:
             raise DuplicateRequestError(f"{request_id!r} at {src} is already kept or pulled",
                                         request_id=request_id, peer=src)
-        entry = self._open(Entry(Kind.LEASE, request_id, peer=src, opened_at=now))
+        entry = self._open(Entry(Kind.LEASE, request_id, peer=src, opened_at=now, secret=secret))
         self.leases[key] = entry
         return entry
 
@@ -153,13 +161,21 @@ class Book:
         entry.received = True
 
     # -- leases ----------------------------------------------------------------------
-    def renew(self, by: str, request_ids: Iterable[str], now: float) -> tuple[list[str], float]:
-        """Source side: a keeper renewed these offers; returns (unknown, shortest lease)."""
+    def renew(self, by: str, request_ids: Sequence[str], secrets: Sequence[str],
+              now: float) -> tuple[list[str], float]:
+        """Source side: a keeper renewed these offers; returns (unknown, shortest lease).
+
+        A renewal without the offer's secret is refused (counted ``forbidden``) and answered
+        like one for an offer that does not exist: the answer tells nothing."""
         unknown: list[str] = []
         leases: list[float] = []
-        for rid in request_ids:
+        for i, rid in enumerate(request_ids):
             entry = self.offers.get(rid)
             if entry is None or now > entry.lease_until:  # a late renewal revives nothing
+                unknown.append(rid)
+                continue
+            if not secret_matches(entry, secrets[i] if i < len(secrets) else ""):
+                self.counts["forbidden"] += 1
                 unknown.append(rid)
                 continue
             entry.lease_until = now + entry.lease_s
@@ -332,11 +348,12 @@ class Book:
             why = f"no manifest within {limit}s"
         return self.end(entry, TransferState.TIMED_OUT, why)
 
-    def _wanted(self) -> dict[str, list[str]]:
-        by_src: dict[str, dict[str, None]] = {}  # a lease and its pull: one request id
-        for src, rid in [*self.leases, *self.pulls]:
-            by_src.setdefault(src, {})[rid] = None
-        return {src: list(rids) for src, rids in by_src.items()}
+    def _wanted(self) -> dict[str, dict[str, str]]:
+        """Source -> request id -> its secret (a lease and its pull: one request id)."""
+        by_src: dict[str, dict[str, str]] = {}
+        for (src, rid), entry in [*self.leases.items(), *self.pulls.items()]:
+            by_src.setdefault(src, {})[rid] = entry.secret
+        return by_src
 
     def _renew_at(self, src: str) -> float:
         period = self.peer_lease.get(src, self.lease_s) * self.renew_every
@@ -348,7 +365,7 @@ class Book:
             if src not in self._renewing and now >= self._renew_at(src):
                 self._renewed_at[src] = now
                 self._renewing.add(src)
-                actions.append(Renew(src, tuple(rids)))
+                actions.append(Renew(src, tuple(rids), tuple(rids.values())))
         return actions
 
     def next_deadline(self) -> float:

@@ -20,7 +20,9 @@ import anyio
 from kvstream._exceptions import ClosedError, ConfigError, KVStreamError
 from kvstream.control import messages as m
 from kvstream.control.aborts import request_abort
+from kvstream.control.identity import Identity
 from kvstream.control.subjects import Subjects
+from kvstream.dataplane import wire
 from kvstream.dataplane.stream import Stream, StreamEnv
 from kvstream.engine.book import Action, Book, Entry, Finish, LoseLease, Stop, TellKeeper
 from kvstream.transfer.state import EndCause, TransferResult, TransferState
@@ -64,6 +66,8 @@ class Core:
                          reservation_timeout_s=config.reservation_timeout_s,
                          transfer_timeout_s=config.transfer_timeout_s, lease_s=config.lease_s)
         self.memory: RegisteredKV | None = None
+        self.identity = Identity(config.instance_id)
+        self.forgot: dict[str, int] = {}  # peer -> how often we aborted our endpoint to it
         self._control: ControlPort | None = None
         self._transport: Transport | None = None
         self._spawn: Spawn | None = None
@@ -72,6 +76,26 @@ class Core:
 
     def attach(self, control: ControlPort, transport: Transport, spawn: Spawn) -> None:
         self._control, self._transport, self._spawn = control, transport, spawn
+        control.seal.identity, control.seal.trust = self.identity, self.trusts
+
+    def trusts(self, instance_id: str, key: bytes) -> bool:
+        """Is ``key`` that instance's? Our own id only with our own key."""
+        if instance_id == self.instance_id:
+            return key == self.identity.public_key
+        return self.registry.bind_key(instance_id, key)
+
+    def sweep(self) -> None:
+        """Drop what waits in the data plane on no live tag (late, stray or forged)."""
+        try:
+            self.count("data_discarded", self.transport.sweep(wire.is_live))
+        except KVStreamError as exc:
+            log.warning("data-plane sweep: %s", exc)
+
+    def new_tag(self, transfer: Transfer) -> int:
+        """A fresh data-plane tag prefix for ``transfer``, live until it ends."""
+        tag = wire.new_xfer_tag()
+        transfer.on_release(lambda: wire.release_xfer_tag(tag))
+        return tag
 
     @property
     def control(self) -> ControlPort:
@@ -137,7 +161,9 @@ class Core:
                                       by_peer=cause is EndCause.PEER_ABORT)
                 case Finish(entry=entry, state=state, reason=reason, cause=cause):
                     if entry.handle is None:
-                        self.book.finished(entry, state)
+                        # A pull still negotiating: no transfer exists to count (its caller
+                        # gets the error); out of the book, uncounted, like ``drop``.
+                        self.book.drop(entry)
                     else:
                         entry.handle.transfer.finish(state, reason, cause)
                 case TellKeeper():
@@ -155,10 +181,11 @@ class Core:
 
     # -- peers ---------------------------------------------------------------------------
     async def request_abort(self, peer: str, transfer_id: str, reason: str, *,
-                            request_id: str = "") -> bool:
+                            request_id: str = "", secret: str = "") -> bool:
         return await request_abort(self.control, self.subjects, peer, reason=reason,
                                    by=self.instance_id, timeout=self.config.request_timeout_s,
-                                   transfer_id=transfer_id, request_id=request_id)
+                                   transfer_id=transfer_id, request_id=request_id,
+                                   secret=secret)
 
     async def publish_done(self, peer: str, result: TransferResult) -> None:
         with contextlib.suppress(KVStreamError):
@@ -176,7 +203,16 @@ class Core:
         return StreamEnv(config=self.config, transport=self.transport, memory=self.mem(),
                          staging=self.staging, request_abort=self.request_abort,
                          publish_done=self.publish_done, count=self.count,
-                         peer_alive=self.registry.alive)
+                         peer_alive=self.registry.alive,
+                         address_shared=self.registry.address_shared, forget=self.forget)
+
+    def forget(self, peer: str, address: bytes) -> None:
+        """Abort our endpoint to ``peer`` and say so in our announcements (``forgot``):
+        the peer, if it is only slow, drops its endpoint to us in turn."""
+        self.transport.forget_peer(address)
+        self.forgot[peer] = self.forgot.pop(peer, 0) + 1  # most recent last
+        while len(self.forgot) > m.MAX_FORGOT:
+            del self.forgot[next(iter(self.forgot))]
 
     def run_stream(self, entry: Entry, stream: Stream, deadline_s: float | None) -> None:
         """Start ``stream`` for ``entry``; whatever happens to it, its transfer ends."""

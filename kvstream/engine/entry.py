@@ -40,6 +40,8 @@ class Entry:
     lease_s: float = 0.0  # offers: how long one renewal holds them
     lease_until: float = math.inf
     keepers: set[str] = field(default_factory=set)  # who renewed an offer
+    staged_bytes: int = 0  # a staged push's share of the staging pool
+    secret: str = ""  # an offer's secret (source side), or the one it was kept/pulled with
     promised: list[int] = field(default_factory=list)  # a staged push's named blocks
     streaming: bool = False  # a stream runs for it: ending goes through ``Stop``
     received: bool = False  # every byte is here: the peer's death no longer matters

@@ -85,7 +85,8 @@ class RemoteLease:
         self._lost.set()
         core = self._keeper.core
         if core.book.release_lease(self._entry) and self.error is None:
-            await core.request_abort(self.src, "", reason, request_id=self.request_id)
+            await core.request_abort(self.src, "", reason, request_id=self.request_id,
+                                     secret=self._entry.secret)
 
     def __repr__(self) -> str:
         state = "active" if self.active else ("released" if self.released else "lost")
@@ -102,15 +103,15 @@ class Keeper:
         kind = _LOST.get(action.cause, LeaseExpiredError)
         lease._lose(kind(action.reason, request_id=lease.request_id, peer=lease.src))
 
-    async def keep(self, request_id: str, src_instance: str) -> RemoteLease:
+    async def keep(self, request_id: str, src_instance: str, secret: str = "") -> RemoteLease:
         core = self.core
         Subjects.check_instance_id(src_instance)
-        entry = core.book.keep(src_instance, request_id, core.clock())
+        entry = core.book.keep(src_instance, request_id, core.clock(), secret)
         lease = entry.handle = RemoteLease(self, entry)
         try:
             reply = await core.control.request(
                 core.subjects.control(src_instance),
-                m.Renew(by=core.instance_id, request_ids=[request_id]),
+                m.Renew(by=core.instance_id, request_ids=[request_id], secrets=[secret]),
                 timeout=core.config.request_timeout_s, peer=src_instance)
             core.count("renewals_sent", 1)
             if not isinstance(reply, m.RenewAck):
@@ -127,25 +128,28 @@ class Keeper:
         return lease
 
     async def release(self, request_id: str, src_instance: str,
-                      reason: str = "the destination no longer wants it") -> bool:
+                      reason: str = "the destination no longer wants it",
+                      secret: str = "") -> bool:
         core = self.core
         Subjects.check_instance_id(src_instance)
         entry = core.book.leases.get((src_instance, request_id))
         if entry is not None:
             await entry.handle.release(reason)
             return True
-        return await core.request_abort(src_instance, "", reason, request_id=request_id)
+        return await core.request_abort(src_instance, "", reason, request_id=request_id,
+                                        secret=secret)
 
     def kept(self, src: str, request_id: str) -> RemoteLease | None:
         entry = self.core.book.leases.get((src, request_id))
         return None if entry is None else entry.handle
 
-    async def renew(self, src: str, rids: Sequence[str]) -> None:
+    async def renew(self, src: str, rids: Sequence[str], secrets: Sequence[str]) -> None:
         core = self.core
         lease: float | None = None
         try:
             reply = await core.control.request(
-                core.subjects.control(src), m.Renew(by=core.instance_id, request_ids=list(rids)),
+                core.subjects.control(src),
+                m.Renew(by=core.instance_id, request_ids=list(rids), secrets=list(secrets)),
                 timeout=core.config.request_timeout_s, peer=src)
         except NoPeerError as exc:
             if exc.no_responders:  # nobody subscribed: the process is gone

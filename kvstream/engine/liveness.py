@@ -16,6 +16,7 @@ import anyio
 
 from kvstream._exceptions import KVStreamError
 from kvstream.control import messages as m
+from kvstream.control.identity import SENDER
 from kvstream.engine.book import Renew
 
 if TYPE_CHECKING:
@@ -34,18 +35,38 @@ class Liveness:
         self.keeper = keeper
         self.layout = layout
         self._seq = 0
+        self._forgot_seen: dict[str, int] = {}  # peer -> its count of forgetting us
         self._wake = anyio.Event()
         core.wake = self._wake.set
 
     async def on_registry(self, msg: m.ControlUnion, headers: dict[str, str]) -> None:
         core = self.core
+        if getattr(msg, "instance_id", None) != headers.get(SENDER):
+            core.count("forbidden", 1)  # signed by another instance than it names
+            return None
         match msg:
             case m.Announce() if msg.instance_id != core.instance_id:
+                self._forgotten_by(msg)
                 core.registry.observe(msg)
             case m.Leave() if msg.instance_id != core.instance_id:
                 core.registry.leave(msg.instance_id)
                 self.fail_peer(msg.instance_id)
         return None
+
+    def _forgotten_by(self, msg: m.Announce) -> None:
+        """The peer aborted its endpoint to us (it held us dead, or our sends stuck): ours
+        to it is half dead, so drop it; the next transfer opens a fresh one. The first
+        announcement we see of a peer only sets the count (an old incarnation's)."""
+        core, peer = self.core, msg.instance_id
+        count = msg.forgot.get(core.instance_id, 0)
+        seen = self._forgot_seen.get(peer)
+        if seen is None and len(self._forgot_seen) >= core.registry.max_peers:
+            self._forgot_seen.pop(next(iter(self._forgot_seen)))
+        self._forgot_seen[peer] = count
+        if seen is not None and count > seen and \
+                not core.registry.address_shared(msg.worker_address, peer):
+            log.info("%s dropped its endpoint to us; dropping ours to it", peer)
+            core.transport.forget_peer(msg.worker_address)
 
     async def announce(self) -> None:
         core = self.core
@@ -55,7 +76,8 @@ class Liveness:
             instance_id=core.instance_id, role=core.config.role,
             worker_address=core.transport.address, layout=mem.layout if mem else self.layout,
             num_blocks=mem.num_blocks if mem else 0, load=float(len(core.book.streams)),
-            heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint))
+            heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint,
+            forgot=dict(core.forgot)))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core
@@ -78,7 +100,7 @@ class Liveness:
         core.perform([a for a in actions if not isinstance(a, Renew)])
         for action in actions:
             if isinstance(action, Renew):
-                core.spawn(self.keeper.renew, action.src, action.request_ids)
+                core.spawn(self.keeper.renew, action.src, action.request_ids, action.secrets)
 
     async def run(self) -> None:
         """The engine's one timer: heartbeats, expiries, deadlines, dead peers, renewals."""
@@ -92,6 +114,7 @@ class Liveness:
                     await self.announce()
                 except KVStreamError as exc:
                     log.warning("heartbeat not sent: %s", exc)
+                core.sweep()
             self.tick()
             due = min(next_beat, core.book.next_deadline(), self._peer_deadline())
             # A deadline just passed is handled at the next turn; a tiny margin keeps the

@@ -8,6 +8,7 @@ request id ends an offer. Expiry and dead keepers are the book's rules (``tick``
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -15,12 +16,11 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError
+from kvstream._exceptions import ConfigError, ProtocolError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
-from kvstream.dataplane import wire
 from kvstream.dataplane.send import SendStream
-from kvstream.engine.book import Kind
+from kvstream.engine.book import Kind, secret_matches
 from kvstream.engine.rules import (
     PUSH_MODES,
     check_hashes,
@@ -38,7 +38,15 @@ from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 if TYPE_CHECKING:
     from kvstream.engine.core import Core
 
-__all__ = ["Offers"]
+__all__ = ["MIN_SECRET", "Offers", "check_secret"]
+
+MIN_SECRET = 16  # characters: a caller's own secret is at least 16 (ours: 22, 128 bits)
+
+
+def check_secret(secret: str) -> str:
+    if not isinstance(secret, str) or not MIN_SECRET <= len(secret) <= 256:
+        raise ConfigError(f"an offer's secret is a string of {MIN_SECRET} to 256 characters")
+    return secret
 
 log = logging.getLogger("kvstream.agent")
 
@@ -49,8 +57,11 @@ class Offers:
 
     def offer(self, request_id: str, src_blocks: Sequence[int], *,
               block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-              lease_s: float | None = None) -> SendHandle:
+              lease_s: float | None = None, secret: str | None = None) -> SendHandle:
+        """Only a pull that presents ``secret`` (made here when not given; the handle's
+        ``secret``) gets the blocks: hand it to the destination with the request id."""
         core = self.core
+        secret = secrets.token_urlsafe(16) if secret is None else check_secret(secret)
         mem = core.mem()
         check_mode(mode, PUSH_MODES)
         blocks = mem.block_map(src_blocks, what="source block")
@@ -59,12 +70,13 @@ class Offers:
         if not lease > 0:
             raise ConfigError("lease_s must be positive")
         transfer_id = uuid.uuid4().hex
-        entry = core.book.offer(request_id, transfer_id, lease, core.clock())
+        entry = core.book.offer(request_id, transfer_id, lease, core.clock(), secret)
         t = Transfer(transfer_id=transfer_id, request_id=request_id, side=Side.SEND,
                      peer="", num_layers=mem.layout.num_layers,
                      layer_bytes=mem.planes * mem.plane_bytes(len(blocks)), clock=core.clock)
         handle = SendHandle(t, core.aborter(entry), eager=mode == "eager", blocks=blocks)
         handle.block_hashes = hashes
+        handle.secret = secret
         core.track(entry, handle)
         return handle
 
@@ -90,10 +102,22 @@ class Offers:
             Subjects.check_instance_id(msg.dst)
         except ConfigError as exc:
             return reject("malformed", str(exc))
+        try:
+            core.transport.check_address(msg.dst_address)
+        except ProtocolError as exc:
+            return reject("malformed", f"the pull's worker address: {exc}")
+        if not core.registry.address_ok(msg.dst, msg.dst_address):
+            core.count("forbidden", 1)
+            return reject("forbidden", f"the pull names another worker address than the one "
+                          f"{msg.dst} announces")
         entry = core.book.offers.get(msg.request_id)
         if entry is None or entry.kind is not Kind.OFFER:
             return reject("unknown_request", f"{core.instance_id} holds no KV for "
                           f"{msg.request_id!r} (never offered, expired, aborted or pulled)")
+        if not secret_matches(entry, msg.secret):
+            core.count("forbidden", 1)
+            return reject("forbidden", f"the pull of {msg.request_id!r} does not carry the "
+                          "offer's secret")
         handle: SendHandle = entry.handle
         full = handle.blocks
         if len(msg.dst_blocks) != len(full):
@@ -113,7 +137,7 @@ class Offers:
         handle.blocks = full.without(skip)
         shrink(t, mem, len(full), len(handle.blocks))
         core.count("bytes_skipped", t.bytes_skipped)
-        src_tag = wire.next_xfer_tag()
+        src_tag = core.new_tag(t)
         manifest = m.Manifest(
             transfer_id=t.transfer_id, request_id=t.request_id, src=core.instance_id,
             dst=msg.dst, src_address=core.transport.address, src_tag=src_tag,
@@ -134,7 +158,8 @@ class Offers:
         return manifest
 
     def on_renew(self, msg: m.Renew) -> m.ControlMessage:
-        unknown, lease = self.core.book.renew(msg.by, msg.request_ids, self.core.clock())
+        unknown, lease = self.core.book.renew(msg.by, msg.request_ids, msg.secrets,
+                                              self.core.clock())
         self.core.registry.contact(msg.by)
         return m.RenewAck(unknown=unknown, lease_s=lease)
 
@@ -147,8 +172,13 @@ class Offers:
             return
         reason = f"aborted by {msg.by}: {msg.reason}"
         if entry.kind is Kind.OFFER and msg.transfer_id in ("", entry.transfer_id):
-            # Anyone may end an offer nobody pulls yet; keepers other than the sender learn
-            # now, not at their next renewal.
+            # Whoever holds the secret may end an offer nobody pulls yet; keepers other than
+            # the sender learn now, not at their next renewal.
+            if not secret_matches(entry, msg.secret):
+                core.count("forbidden", 1)
+                log.warning("refused an abort of the offer %r by %s: no secret",
+                            msg.request_id, msg.by)
+                return
             core.end(entry, TransferState.ABORTED, reason, EndCause.PEER_ABORT,
                      tell=bool(entry.keepers - {msg.by}))
         elif entry.kind is Kind.SERVE and not msg.transfer_id and entry.peer == msg.by:

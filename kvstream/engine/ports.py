@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from kvstream.control.nats_server import DEFAULT_NATS_URL, EmbeddedNats, is_listening
+from kvstream.control.subjects import Subjects
 
 if TYPE_CHECKING:
     from kvstream.config import AgentConfig
@@ -40,7 +41,8 @@ async def open_control(cfg: AgentConfig, stack: contextlib.AsyncExitStack
         if not is_listening(url):
             nats = EmbeddedNats(port=4222).start()
             stack.callback(nats.stop)
-    bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}", auth=cfg.nats_auth)
+    bus = await ControlBus.connect(url, name=f"kvstream-{cfg.instance_id}", auth=cfg.nats_auth,
+                                   inbox_prefix=Subjects(cfg.namespace).inbox(cfg.instance_id))
     stack.push_async_callback(_shielded, bus.close)
     return bus, url
 

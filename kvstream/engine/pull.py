@@ -60,7 +60,7 @@ class Puller:
     async def pull(self, request_id: str, src_instance: str, dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    timeout: float | None = None, codec: str | None = None,
-                   trace_context: Context | None = None) -> ReceiveHandle:
+                   trace_context: Context | None = None, secret: str = "") -> ReceiveHandle:
         core = self.core
         mem = core.mem()
         want_codec = effective_codec(codec or core.config.codec, mem.layout)
@@ -71,7 +71,7 @@ class Puller:
         Subjects.check_instance_id(src_instance)
         check_timeout(timeout)
         blocks = mem.block_map(dst_blocks, what="destination block")
-        entry = core.book.pull(src_instance, request_id, core.clock())
+        entry = core.book.pull(src_instance, request_id, core.clock(), secret)
         span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
                                    request_id=request_id, side="recv", peer=src_instance,
                                    mode=mode, codec=want_codec, blocks=len(blocks))
@@ -98,7 +98,8 @@ class Puller:
                            fingerprint=mem.layout.fingerprint, num_layers=mem.layout.num_layers,
                            dst_blocks=blocks.ids, have=have, mode=mode,  # type: ignore[arg-type]
                            deadline_s=deadline, codec=want_codec,
-                           wire_fingerprint=wire_fingerprint(mem.layout, want_codec)),
+                           wire_fingerprint=wire_fingerprint(mem.layout, want_codec),
+                           secret=entry.secret),
                     timeout=core.config.request_timeout_s, peer=src,
                     headers=telemetry.headers_of(span))
         except BaseException as exc:
@@ -108,7 +109,7 @@ class Puller:
                 with anyio.CancelScope(shield=True), \
                         anyio.move_on_after(core.config.request_timeout_s):
                     await core.request_abort(src, "", f"pull failed: {exc!r}",
-                                             request_id=entry.request_id)
+                                             request_id=entry.request_id, secret=entry.secret)
             raise
 
     def _check(self, reply: m.ControlUnion, entry: Entry, nblocks: int,
@@ -122,6 +123,9 @@ class Puller:
                 or not reply.transfer_id or len(reply.src_blocks) != nblocks:
             raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
         check_skip(reply.skip, nblocks)
+        core.transport.check_address(reply.src_address)  # ProtocolError: before UCX sees it
+        if not core.registry.address_ok(src, reply.src_address):
+            raise ProtocolError(f"{src} answered with another worker address than it announces")
         asked = reply.codec in (want_codec, "none")
         why = layout_mismatch(core.mem(), reply.fingerprint, reply.num_layers, reply.codec,
                                          reply.cache_scales)
@@ -139,13 +143,18 @@ class Puller:
                     want_codec: str) -> ReceiveHandle:
         core = self.core
         src, request_id = entry.peer, entry.request_id
-        dst_tag = wire.next_xfer_tag()
-        reply = await self._ask(entry, span, blocks, mode, have, deadline, want_codec, dst_tag)
+        dst_tag = wire.new_xfer_tag()
         try:
-            manifest = self._check(reply, entry, len(blocks), want_codec)
-        except (ProtocolError, TransferAbortedError):
-            if isinstance(reply, m.Manifest) and reply.transfer_id:
-                await core.request_abort(src, reply.transfer_id, "bad pull answer")
+            reply = await self._ask(entry, span, blocks, mode, have, deadline, want_codec,
+                                    dst_tag)
+            try:
+                manifest = self._check(reply, entry, len(blocks), want_codec)
+            except (ProtocolError, TransferAbortedError):
+                if isinstance(reply, m.Manifest) and reply.transfer_id:
+                    await core.request_abort(src, reply.transfer_id, "bad pull answer")
+                raise
+        except BaseException:
+            wire.release_xfer_tag(dst_tag)
             raise
         kept_lease = core.book.leases.get((src, request_id))
         if kept_lease is not None:  # kept before or during the pull: taken over
@@ -158,6 +167,7 @@ class Puller:
         t = Transfer(transfer_id=manifest.transfer_id, request_id=request_id, side=Side.RECV,
                      peer=src, num_layers=mem.layout.num_layers, layer_bytes=0,
                      clock=core.clock)
+        t.on_release(lambda: wire.release_xfer_tag(dst_tag))
         t.codec = manifest.codec
         telemetry.trace_transfer(t, span)
         span.set_attribute("kvstream.transfer_id", t.transfer_id)

@@ -10,12 +10,14 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import anyio
 import stamina
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
 from kvstream._exceptions import (
     InvalidBlockError,
+    NoPeerError,
     ProtocolError,
     TransferAbortedError,
     TransferError,
@@ -23,7 +25,6 @@ from kvstream._exceptions import (
 from kvstream.config import check_timeout
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
-from kvstream.dataplane import wire
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.rules import (
     PUSH_MODES,
@@ -42,6 +43,8 @@ from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
+    from kvstream.control.registry import Registry
+    from kvstream.dataplane.transport import Transport
     from kvstream.engine.core import Core
 
 __all__ = ["Pusher"]
@@ -87,7 +90,7 @@ class Pusher:
         handle = SendHandle(transfer, core.aborter(entry),
                             eager=mode == "eager", blocks=blocks)
         core.track(entry, handle)
-        src_tag = wire.next_xfer_tag()
+        src_tag = core.new_tag(transfer)
         manifest = m.Manifest(
             transfer_id=transfer.transfer_id, request_id=request_id, src=core.instance_id,
             dst=dst_instance, src_address=core.transport.address, src_tag=src_tag,
@@ -98,13 +101,24 @@ class Pusher:
             deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
         )
+        reply: m.ControlUnion | None = None
         try:
             with telemetry.step(span, "kvstream.manifest", peer=dst_instance):
                 reply = await self._offer(manifest, dst_instance, telemetry.headers_of(span))
-            self._check_reply(reply, transfer, dst_instance)
+            self._check_reply(reply, transfer, dst_instance, core.registry, core.transport)
             assert isinstance(reply, m.Accept)
         except BaseException as exc:  # cancelled too: the transfer must still end, once
             _fail(transfer, exc)
+            refused = isinstance(reply, m.Reject) or (
+                isinstance(exc, NoPeerError) and exc.no_responders)
+            if not refused:
+                # The manifest may have arrived and only its answer been lost (a NATS node
+                # failing over, a bad answer): the destination would wait for bytes until
+                # the deadline. Tell it, shielded and bounded.
+                with anyio.CancelScope(shield=True), \
+                        anyio.move_on_after(core.config.request_timeout_s):
+                    await core.request_abort(dst_instance, transfer.transfer_id,
+                                             f"push failed: {exc!r}")
             raise
         core.registry.contact(dst_instance)
         try:
@@ -130,12 +144,16 @@ class Pusher:
         return handle
 
     @staticmethod
-    def _check_reply(reply: m.ControlUnion, transfer: Transfer, dst: str) -> None:
+    def _check_reply(reply: m.ControlUnion, transfer: Transfer, dst: str,
+                     registry: Registry, transport: Transport) -> None:
         if isinstance(reply, m.Reject):
             raise REJECT_ERRORS.get(reply.code, TransferError)(
                 f"{dst} refused transfer for {transfer.request_id!r}: {reply.reason}")
         if not isinstance(reply, m.Accept) or reply.transfer_id != transfer.transfer_id:
             raise ProtocolError(f"unexpected answer to a manifest: {type(reply).__name__}")
+        transport.check_address(reply.dst_address)  # ProtocolError: before UCX sees it
+        if not registry.address_ok(dst, reply.dst_address):
+            raise ProtocolError(f"{dst} accepted with another worker address than it announces")
 
     async def _offer(self, manifest: m.Manifest, dst: str,
                      headers: dict[str, str] | None = None) -> m.ControlUnion:

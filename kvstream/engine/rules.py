@@ -7,19 +7,31 @@ from typing import TYPE_CHECKING, Final
 
 from kvstream._exceptions import (
     ConfigError,
+    ForbiddenError,
     IncompatiblePeerError,
     InvalidBlockError,
     KVStreamError,
     ProtocolError,
 )
+from kvstream.control import messages as m
 from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint, wire_layer_bytes
 
 if TYPE_CHECKING:
     from kvstream.memory import RegisteredKV
     from kvstream.transfer.state import Transfer
 
-__all__ = ["PULL_MODES", "PUSH_MODES", "REJECT_ERRORS", "check_hashes", "check_mode",
-           "check_skip", "layout_mismatch", "shrink", "without"]
+__all__ = [
+    "PULL_MODES",
+    "PUSH_MODES",
+    "REJECT_ERRORS",
+    "check_hashes",
+    "check_mode",
+    "check_skip",
+    "claimed_sender",
+    "layout_mismatch",
+    "shrink",
+    "without",
+]
 
 PUSH_MODES: Final = ("pipelined", "eager")
 PULL_MODES: Final = ("eager", "lazy")
@@ -29,7 +41,23 @@ REJECT_ERRORS: Final[dict[str, type[KVStreamError]]] = {
     "incompatible": IncompatiblePeerError,
     "invalid_blocks": InvalidBlockError,
     "malformed": ProtocolError,
+    "forbidden": ForbiddenError,
+    "unauthenticated": ForbiddenError,
 }
+
+
+def claimed_sender(msg: object) -> str | None:
+    """The instance a control request says it comes from (checked against its signer)."""
+    match msg:
+        case m.Manifest():
+            return msg.src
+        case m.Pull():
+            return msg.dst
+        case m.Renew() | m.Abort():
+            return msg.by
+        case m.Announce() | m.Leave():
+            return msg.instance_id
+    return None
 
 
 def check_mode(mode: str, modes: Sequence[str]) -> None:

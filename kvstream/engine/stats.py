@@ -39,9 +39,16 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     renewals_sent: int = 0
     bytes_skipped: int = 0  # already at the destination (incremental)
     peers_refused: int = 0  # instances not registered: the registry was full of live ones
+    # Messages dropped unread: unsigned, a bad signature, or a key that is not the named
+    # instance's (a forgery, or a restart before the old incarnation timed out).
+    unauthenticated_messages: int = 0
+    # Signed requests refused: about someone else's transfer, or an offer without its
+    # secret (a pull, renewal or abort by a third party).
+    forbidden_requests: int = 0
+    data_discarded: int = 0  # data-plane messages on no live tag, dropped unread
 
 
-def snapshot(core: Core, malformed: int) -> AgentStatistics:
+def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStatistics:
     book, c = core.book, core.book.counts
     kinds = [e.kind for e in book.live]
     return AgentStatistics(
@@ -60,4 +67,6 @@ def snapshot(core: Core, malformed: int) -> AgentStatistics:
         timed_out=c["timed_out"], expired=c["expired"], bytes_sent=c["bytes_sent"],
         bytes_received=c["bytes_received"], bytes_skipped=c["bytes_skipped"],
         staged_dropped=c["staged_dropped"], renewals_sent=c["renewals_sent"],
+        unauthenticated_messages=unauthenticated, forbidden_requests=c["forbidden"],
+        data_discarded=c["data_discarded"],
     )

@@ -195,10 +195,12 @@ class Legs:
         if isinstance(extra, dict) and isinstance(extra.get("instance"), str):
             targets = sorted({*targets, extra["instance"]})
         bus, cfg = self._bus, self.config
+        secret = extra.get("secret", "") if isinstance(extra, dict) else ""
+        secret = secret if isinstance(secret, str) else ""
 
         async def one(src: str) -> None:
             if await release_offer(bus, cfg.namespace, src, rid, reason, by=self.proxy_id,
-                                   timeout=cfg.abort_timeout_s):
+                                   timeout=cfg.abort_timeout_s, secret=secret):
                 self._counts["offers_released"] += 1
                 log.info("released %s's offer of %s: %s", src, rid, reason)
 

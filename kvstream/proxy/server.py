@@ -19,6 +19,9 @@ import msgspec
 
 from kvstream._exceptions import ConfigError, ProxyError
 from kvstream.control.bus import ControlBus
+from kvstream.control.identity import SENDER, Identity
+from kvstream.control.messages import Announce, Leave
+from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
 from kvstream.proxy.config import ProxyConfig, ProxyStatistics, decode_body, decode_only_body
 from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
@@ -85,8 +88,20 @@ class Proxy(Legs):
             self._bus = await ControlBus.connect(cfg.nats_url, name=f"kvstream-{self.proxy_id}",
                                                  auth=cfg.nats_auth)
             self._stack.push_async_callback(_bounded, self._bus.close)
+            # Signed like an agent (its releases are obeyed only so), and it routes only to
+            # announcements signed by the instance they name: a forged one could otherwise
+            # steer prompts to an attacker's endpoint.
+            keys = Registry(peer_timeout_s=cfg.peer_timeout_s)
+            self._bus.seal.identity = Identity(self.proxy_id)
+            self._bus.seal.trust = keys.bind_key
 
             async def on_registry(msg: Any, headers: dict[str, str]) -> None:
+                if getattr(msg, "instance_id", None) != headers.get(SENDER):
+                    return
+                if isinstance(msg, Announce):
+                    keys.observe(msg)
+                elif isinstance(msg, Leave):
+                    keys.leave(msg.instance_id)
                 self.directory.observe(msg)
 
             await self._bus.serve(Subjects(cfg.namespace).registry_all, on_registry)

@@ -90,6 +90,7 @@ class Offer(LocalMessage, tag="offer", frozen=True):
     block_hashes: list[int] = []
     mode: Literal["pipelined", "eager"] = "pipelined"
     lease_s: float | None = None
+    secret: str | None = None  # None: the agent makes one (returned in ``Ok.secret``)
 
 
 class Pull(LocalMessage, tag="pull", frozen=True):
@@ -102,6 +103,7 @@ class Pull(LocalMessage, tag="pull", frozen=True):
     codec: str | None = None
     traceparent: str = ""
     timeout: float | None = None
+    secret: str = ""  # the offer's secret, as its source handed it out
 
 
 class Fetch(LocalMessage, tag="fetch", frozen=True):
@@ -130,6 +132,7 @@ class Ok(LocalMessage, tag="ok", frozen=True):
     num_layers: int = 0
     stats: dict[str, int] = {}
     instance_id: str = ""
+    secret: str = ""  # an offer's secret (answer to ``Offer``)
 
 
 class Error(LocalMessage, tag="error", frozen=True):

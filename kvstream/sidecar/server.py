@@ -95,12 +95,14 @@ class _Session:
             case lp.Offer():
                 try:
                     sent = self.agent.offer(msg.request_id, msg.src_blocks, mode=msg.mode,
-                                            block_hashes=msg.block_hashes, lease_s=msg.lease_s)
+                                            block_hashes=msg.block_hashes, lease_s=msg.lease_s,
+                                            secret=msg.secret)
                 except KVStreamError as exc:
                     await self.reply_error(msg.id, exc)
                     return
                 hid = self._track(sent)
-                await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=sent.transfer.num_layers))
+                await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=sent.transfer.num_layers,
+                                      secret=sent.secret))
                 tg.start_soon(self._finished, hid, sent)
             case lp.Pull():
                 tg.start_soon(self._pull, msg, tg)
@@ -176,8 +178,8 @@ class _Session:
         await self._start(msg.id, self.agent.pull(
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
             lookahead=msg.lookahead, codec=msg.codec, timeout=msg.timeout,
-            trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
-            self._watch_receive)
+            trace_context=telemetry.context_from({"traceparent": msg.traceparent}),
+            secret=msg.secret), self._watch_receive)
 
     async def _start(self, rid: int, begin: Any, follow: Any) -> None:
         """Await a transfer's start, answer the engine with its handle, then follow it."""

@@ -106,6 +106,8 @@ class SendHandle(_Handle):
         self.lease_s = 0.0
         self.lease_until = 0.0
         self.keepers: set[str] = set()  # instances that renewed the lease
+        # An offer's secret: a pull (or keep, renewal, abort) of it must present it.
+        self.secret = ""
 
     def layer_ready(self, layer: int) -> None:
         """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""

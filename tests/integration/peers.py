@@ -61,7 +61,9 @@ def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
 
 def offering_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
                   ready_layers: int, q: Any) -> None:
-    """Offer ``blocks`` for a pull, mark only ``ready_layers`` layers ready, then hang."""
+    """Offer ``blocks`` for a pull, mark only ``ready_layers`` layers ready, then hang.
+
+    Puts ``("offered", secret)`` on ``q``: the secret the test's pull must present."""
     from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
@@ -73,14 +75,22 @@ def offering_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: li
             handle = agent.offer(request_id, blocks)
             for layer in range(ready_layers):
                 handle.layer_ready(layer)
-            q.put("offered")
+            q.put(("offered", handle.secret))
             await anyio.sleep(60)
 
     anyio.run(main)
 
 
+def offer_secret(request_id: str) -> str:
+    """The secret ``random_source_peer`` offers ``request_id`` with (the test's pulls
+    present it, as a destination told by the router would)."""
+    return f"random-source-secret-{request_id}"
+
+
 def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q: Any) -> None:
-    """Push to ``dst`` and offer for pulls, requests k0, k1, ... at random, until killed."""
+    """Push to ``dst`` and offer for pulls, requests k0, k1, ... at random, until killed.
+
+    Each offer's secret is ``offer_secret(request_id)``."""
     import random
 
     from kvstream import KVStreamError
@@ -102,7 +112,8 @@ def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q
                     if rng.random() < 0.5:
                         handles.append(await agent.push(f"k{n}", dst, blocks))
                     else:
-                        handles.append(agent.offer(f"k{n}", blocks))
+                        handles.append(agent.offer(f"k{n}", blocks,
+                                                   secret=offer_secret(f"k{n}")))
                 except KVStreamError:
                     pass
                 for h in rng.sample(handles, min(3, len(handles))):
@@ -114,13 +125,14 @@ def random_source_peer(layout_blob: bytes, nats_url: str, dst: str, seed: int, q
     anyio.run(main)
 
 
-def keeping_peer(nats_url: str, request_id: str, src: str, q: Any) -> None:
-    """Keep a lease on ``request_id`` at ``src``, then hang (to be killed)."""
+def keeping_peer(nats_url: str, request_id: str, src: str, secret: str, q: Any) -> None:
+    """Keep a lease on ``request_id`` at ``src`` (whose offer's secret is ``secret``), then
+    hang (to be killed)."""
     from kvstream.engine.agent import Agent
 
     async def main() -> None:
         async with Agent(_cfg("peer-keeper", nats_url)) as agent:
-            await agent.keep(request_id, src)
+            await agent.keep(request_id, src, secret=secret)
             q.put("kept")
             await anyio.sleep(60)
 

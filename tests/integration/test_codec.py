@@ -86,7 +86,7 @@ async def test_pull_8bit_into_another_dtype(nats_server, mode, codec):
         sb, db = [2, 8, 3], [1, 19, 4]
         held = p.offer("r", sb)
         held.all_ready()
-        rx = await d.pull("r", "cp", db, mode=mode)
+        rx = await d.pull("r", "cp", db, mode=mode, secret=held.secret)
         with anyio.fail_after(20):
             for layer in range(dst_lay.num_layers):
                 await rx.wait_layer(layer)
@@ -160,7 +160,7 @@ async def test_fp8_cache_moves_verbatim_with_its_scales(nats_server):
         held = p.offer("q", [3, 4])
         held.all_ready()
         with pytest.raises(IncompatiblePeerError, match="scales differ"):
-            await o.pull("q", "cp", [7, 8])
+            await o.pull("q", "cp", [7, 8], secret=held.secret)
         await held.abort("test over")
         await settle(p, d, o)
         assert_at_rest(p, d, o)

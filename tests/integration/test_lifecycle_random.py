@@ -20,7 +20,7 @@ from kvstream import ConfigError, KVStreamError
 from kvstream.transfer import Side, Transfer
 from tests.fakes import small_layout
 from tests.integration.agents import agent_pair, assert_at_rest, settle
-from tests.integration.peers import random_source_peer
+from tests.integration.peers import offer_secret, random_source_peer
 
 pytestmark = pytest.mark.anyio
 
@@ -93,16 +93,16 @@ async def _op(r: Random, p, d, n: int) -> None:
             srid, snb = r.staged.pop(rng.randrange(len(r.staged)))
             r.recvs.append(d.expect(srid, r.blocks(snb)))
         case "offer":
-            r.sends.append(p.offer(rid, r.blocks(nb), mode=mode,
-                                   lease_s=rng.choice([0.3, 1.0, 5.0])))
-            r.offered.append((rid, nb))
+            held = p.offer(rid, r.blocks(nb), mode=mode, lease_s=rng.choice([0.3, 1.0, 5.0]))
+            r.sends.append(held)
+            r.offered.append((rid, nb, held.secret))
         case "keep" if r.offered:
-            orid, _ = rng.choice(r.offered)
-            r.leases.append(await d.keep(orid, p.instance_id))
+            orid, _, secret = rng.choice(r.offered)
+            r.leases.append(await d.keep(orid, p.instance_id, secret=secret))
         case "pull" if r.offered:
-            orid, onb = r.offered.pop(rng.randrange(len(r.offered)))
+            orid, onb, secret = r.offered.pop(rng.randrange(len(r.offered)))
             r.recvs.append(await d.pull(orid, p.instance_id, r.blocks(onb),
-                                        mode=rng.choice(["eager", "lazy"])))
+                                        mode=rng.choice(["eager", "lazy"]), secret=secret))
         case "ready" if (h := r.live(r.sends)) is not None:
             h.layer_ready(rng.randrange(r.layers))
         case "all_ready" if (h := r.live(r.sends)) is not None:
@@ -191,7 +191,8 @@ async def test_random_lifecycle_with_a_killed_source(nats_server, seed):
                             handles.append(d.expect(rid, rng.sample(range(NBLOCKS), 2)))
                         elif rng.random() < 0.5:
                             handles.append(await d.pull(rid, "peer-random", rng.sample(
-                                range(NBLOCKS), 2), mode=rng.choice(["eager", "lazy"])))
+                                range(NBLOCKS), 2), mode=rng.choice(["eager", "lazy"]),
+                                secret=offer_secret(rid)))
                         elif handles:
                             h = rng.choice(handles)
                             if not h.done:

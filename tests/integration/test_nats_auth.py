@@ -142,12 +142,13 @@ async def test_mutual_tls(certs: Path):
 def _permissions(ns: str, users: dict[str, str]) -> str:
     """docs/architecture.md's layout: each instance publishes to control subjects, its own
     registry subject and inboxes; it subscribes to its own control subject, the registry
-    and inboxes. ``intruder`` may only use inboxes."""
+    and its own inboxes (nobody reads another's answers). ``intruder`` may only use inboxes,
+    and read only its own."""
     s = Subjects(ns)
     entries = []
     for user, password in users.items():
         if user == "intruder":
-            pub, sub = ["_INBOX.>"], ["_INBOX.>"]
+            pub, sub = ["_INBOX.>"], [f"{s.inbox(user)}.>"]
         else:
             allowed = s.permissions(user)
             pub, sub = allowed["publish"], allowed["subscribe"]
@@ -177,7 +178,8 @@ async def test_push_under_per_instance_permissions_and_an_intruder_is_shut_out(c
             with anyio.fail_after(10):
                 assert (await rx.wait()).ok and (await tx.wait()).ok
             intruder = await ControlBus.connect(nats.url, name="x", auth=NatsAuth(
-                user="intruder", password="pw-x", **tls))
+                user="intruder", password="pw-x", **tls),
+                inbox_prefix=Subjects("default").inbox("intruder"))
             try:
                 # a forged announcement and a forged abort never reach the agents
                 await intruder.publish(Subjects("default").registry("evil"), m.Announce(

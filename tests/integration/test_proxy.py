@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvstream import Agent, TransferAbortedError
 from kvstream.control import ControlBus, release_offer
+from kvstream.control.identity import Identity
 from kvstream.control.nats_server import free_port
 from kvstream.proxy import ROUTE_HEADER, Proxy, ProxyConfig
 from tests.fakes import cache, small_layout
@@ -95,12 +96,14 @@ class FakeEngine:
 
 def offers_from(agent: Agent, handles: dict[str, Any], blocks: list[int]):
     """A P engine hook: hold the prompt's blocks in ``agent`` and answer with params
-    naming them, as the vLLM connector's ``request_finished`` does."""
+    naming them, and the offer's secret, as the vLLM connector's ``request_finished``
+    does."""
     def offer(rid: str) -> dict[str, Any]:
         handles[rid] = held = agent.offer(f"cmpl-{rid}-0", blocks)
         held.all_ready()
         return {"do_remote_prefill": True, "remote_engine_id": agent.instance_id,
-                "remote_request_id": f"cmpl-{rid}-0", "remote_block_ids": [blocks]}
+                "remote_request_id": f"cmpl-{rid}-0", "remote_block_ids": [blocks],
+                "kvstream": {"instance": agent.instance_id, "secret": held.secret}}
     return offer
 
 
@@ -169,7 +172,8 @@ async def test_discovered_engines_get_the_toy_proxy_legs(nats_server):
                           "stream": False, "kv_transfer_params": EXPECTED_P_PARAMS}
         assert d_body == {**body, "kv_transfer_params": {
             "do_remote_prefill": True, "remote_engine_id": "px-p",
-            "remote_request_id": "cmpl-req-1-0", "remote_block_ids": [[1, 2]]}}
+            "remote_request_id": "cmpl-req-1-0", "remote_block_ids": [[1, 2]],
+            "kvstream": {"instance": "px-p", "secret": handles["req-1"].secret}}}
         assert p_headers["X-Request-Id"] == d_headers["X-Request-Id"] == "req-1"
         # The decode leg succeeded: the offer is left for D to pull (no early release).
         assert not handles["req-1"].done and p_agent.statistics().held_active == 1
@@ -280,18 +284,21 @@ async def test_failed_decode_releases_the_prefill_offer_at_once(nats_server):
 
 
 async def test_release_offer_ends_a_kept_offer_and_its_keeper_learns_at_once(nats_server):
-    """The helper alone: a sender that is not the lease's keeper may end a held offer."""
+    """The helper alone: a sender that is not the lease's keeper, but signs and holds the
+    offer's secret, may end a held offer."""
     ns = {"namespace": "px-keep"}
     async with agent_pair(nats_server, "px-pk", "px-dk", small_layout(), 8, p_kw=ns,
                           d_kw=ns) as (p, d):
         held = p.offer("r-kept", [1, 2])
         held.all_ready()
-        lease = await d.keep("r-kept", "px-pk")
+        lease = await d.keep("r-kept", "px-pk", secret=held.secret)
         bus = await ControlBus.connect(nats_server.url, name="px-test")
+        bus.seal.identity = Identity("proxy-test")  # not an agent: it signs as the proxy
         try:
             assert await release_offer(bus, "px-keep", "px-pk", "r-kept", "decode leg failed",
-                                       by="proxy-test")
-            assert not await release_offer(bus, "px-keep", "px-nobody", "r-kept", "x", timeout=0.5)
+                                       by="proxy-test", secret=held.secret)
+            assert not await release_offer(bus, "px-keep", "px-nobody", "r-kept", "x",
+                                           by="proxy-test", secret=held.secret, timeout=0.5)
         finally:
             await bus.close()
         with anyio.fail_after(2):  # D renews every lease_s / 4 = 7.5 s: that would be too late

@@ -36,7 +36,7 @@ async def test_pull_eager_is_bit_exact(nats_server, scattered):
     async with agent_pair(nats_server, f"p-pe{scattered}", f"d-pe{scattered}", lay, 16) as (p, d):
         held = p.offer("r1", src)
         held.all_ready()
-        rx = await d.pull("r1", f"p-pe{scattered}", dst)
+        rx = await d.pull("r1", f"p-pe{scattered}", dst, secret=held.secret)
         with anyio.fail_after(10):
             await rx.wait()
             assert (await held.wait()).ok  # the source learns the pull finished and releases
@@ -50,7 +50,7 @@ async def test_pull_while_prefill_still_computes(nats_server):
     lay = small_layout(layers=6)
     async with agent_pair(nats_server, "p-pp", "d-pp", lay, 16) as (p, d):
         held = p.offer("r", [1, 5])
-        rx = await d.pull("r", "p-pp", [2, 3])
+        rx = await d.pull("r", "p-pp", [2, 3], secret=held.secret)
         held.layer_ready(0)
         held.layer_ready(1)
         with anyio.fail_after(10):
@@ -67,7 +67,8 @@ async def test_lazy_pull_fetches_a_layer_when_asked(nats_server):
     async with agent_pair(nats_server, "p-lz", "d-lz", lay, 16) as (p, d):
         held = p.offer("r", [3, 1, 7])
         held.all_ready()
-        rx = await d.pull("r", "p-lz", [0, 9, 4], mode="lazy", lookahead=1)
+        rx = await d.pull("r", "p-lz", [0, 9, 4], mode="lazy", lookahead=1,
+                          secret=held.secret)
         await anyio.sleep(0.3)
         assert d.statistics().bytes_received == 0  # nothing asked for, nothing moved
         with anyio.fail_after(10):
@@ -108,7 +109,7 @@ async def test_incremental_skips_blocks_the_destination_holds(nats_server, direc
         else:
             tx = p.offer("r", src, block_hashes=hashes)
             tx.all_ready()
-            rx = await d.pull("r", f"p-inc-{direction}", dst, have=have)
+            rx = await d.pull("r", f"p-inc-{direction}", dst, have=have, secret=tx.secret)
         with anyio.fail_after(10):
             done = await rx.wait()
             sent = await tx.wait()
@@ -128,7 +129,7 @@ async def test_everything_held_completes_without_moving_a_byte(nats_server):
     hashes = _prefix(lay, 2, salt=7)
     async with agent_pair(nats_server, "p-all", "d-all", lay, 8) as (p, d):
         tx = p.offer("r", [1, 2], block_hashes=hashes)
-        rx = await d.pull("r", "p-all", [3, 4], have=hashes)
+        rx = await d.pull("r", "p-all", [3, 4], have=hashes, secret=tx.secret)
         with anyio.fail_after(5):
             assert (await rx.wait()).ok and (await tx.wait()).ok
         assert d.statistics().bytes_received == 0
@@ -149,7 +150,7 @@ async def test_never_pulled_offer_expires_and_is_counted(nats_server):
         s = p.statistics()
         assert (s.expired, s.held_active) == (1, 0)
         with pytest.raises(TransferError, match="holds no KV"):
-            await d.pull("stranded", "p-exp", [3, 4])  # too late: a clear refusal
+            await d.pull("stranded", "p-exp", [3, 4], secret=held.secret)  # too late
         assert_at_rest(p, d)
 
 
@@ -159,14 +160,14 @@ async def test_kept_lease_outlives_its_period_and_few_renewals_are_sent(nats_ser
         helds = [p.offer(f"r{i}", [i], lease_s=0.8) for i in range(6)]
         for h in helds:
             h.all_ready()
-        leases = [await d.keep(f"r{i}", "p-keep") for i in range(6)]
+        leases = [await d.keep(f"r{i}", "p-keep", secret=h.secret) for i, h in enumerate(helds)]
         sent = d.statistics().renewals_sent
         await anyio.sleep(2.4)  # three lease periods
         assert p.statistics().held_active == 6 and p.statistics().expired == 0
         renewals = d.statistics().renewals_sent - sent
         # One message per source per quarter lease, not one per request or block.
         assert 4 <= renewals <= 16, renewals
-        rx = await d.pull("r0", "p-keep", [10])  # the pull takes the lease over
+        rx = await d.pull("r0", "p-keep", [10], secret=helds[0].secret)  # takes the lease over
         with anyio.fail_after(5):
             await rx.wait()
         assert not leases[0].active and await leases[0].lost() is None  # taken over
@@ -186,9 +187,9 @@ async def test_release_frees_the_source_kept_or_not(nats_server):
     async with agent_pair(nats_server, "p-rel", "d-rel", lay, 8,
                           p_kw=dict(lease_s=30.0)) as (p, d):
         kept, unkept = p.offer("kept", [1]), p.offer("unkept", [2])
-        lease = await d.keep("kept", "p-rel")
+        lease = await d.keep("kept", "p-rel", secret=kept.secret)
         assert await d.release("kept", "p-rel", "request ended")
-        assert await d.release("unkept", "p-rel", "prefix cache hit")
+        assert await d.release("unkept", "p-rel", "prefix cache hit", secret=unkept.secret)
         with anyio.fail_after(2):  # not at lease expiry (30 s)
             for h in (kept, unkept):
                 assert (await h.result()).status == "aborted"
@@ -204,7 +205,7 @@ async def test_source_abort_reaches_the_lease_at_once(nats_server):
     async with agent_pair(nats_server, "p-sab", "d-sab", lay, 8,
                           p_kw=dict(lease_s=8.0)) as (p, d):
         held = p.offer("r", [1])
-        lease = await d.keep("r", "p-sab")
+        lease = await d.keep("r", "p-sab", secret=held.secret)
         await held.abort("prefill preempted")
         with anyio.fail_after(1.0):  # told now, not at the next renewal (2 s away)
             err = await lease.lost()
@@ -219,7 +220,7 @@ async def test_dead_keeper_releases_the_offer_before_its_lease_ends(nats_server)
         held = p.offer("r", [1])
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        proc = ctx.Process(target=keeping_peer, args=(nats_server.url, "r", "p-dk", q),
+        proc = ctx.Process(target=keeping_peer, args=(nats_server.url, "r", "p-dk", held.secret, q),
                            daemon=True)
         proc.start()
         try:
@@ -243,9 +244,10 @@ async def test_prefill_dies_mid_pull_fails_fast(nats_server):
                        daemon=True)
     proc.start()
     try:
-        assert q.get(timeout=60) == "offered"
+        said, secret = q.get(timeout=60)
+        assert said == "offered"
         async with agent_pair(nats_server, "p-unused", "d-die", lay, 8) as (_p, d):
-            rx = await d.pull("dying", "peer-offer", [4, 5])
+            rx = await d.pull("dying", "peer-offer", [4, 5], secret=secret)
             with anyio.fail_after(10):
                 await rx.wait_layer(2)
             proc.kill()
@@ -272,7 +274,7 @@ async def test_destination_abort_mid_transfer_no_write_after_the_ack(nats_server
             tx = await p.push("r", f"d-nw-{how}", src)
         else:
             tx = p.offer("r", src)
-            rx = await d.pull("r", f"p-nw-{how}", dst)
+            rx = await d.pull("r", f"p-nw-{how}", dst, secret=tx.secret)
 
         async def compute() -> None:
             for layer in range(lay.num_layers):
@@ -304,7 +306,7 @@ async def test_per_transfer_deadline_holds_on_both_sides(nats_server, how):
             tx = await p.push("r", f"d-dl-{how}", [3, 4], timeout=0.6)
         else:
             tx = p.offer("r", [3, 4])
-            rx = await d.pull("r", f"p-dl-{how}", [1, 2], timeout=0.6)
+            rx = await d.pull("r", f"p-dl-{how}", [1, 2], timeout=0.6, secret=tx.secret)
         # No layer is ever marked ready: the 0.6 s deadline, not the 60 s default, ends it.
         with anyio.fail_after(5):
             ends = {(await rx.result()).status, (await tx.result()).status}

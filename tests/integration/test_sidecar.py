@@ -160,7 +160,9 @@ async def test_lazy_incremental_pull_through_two_sidecars(sidecars):
         await d.register_kv(lay, dst)
         tx = await p.offer("pulled", sb, block_hashes=hashes)
         tx.all_ready()
-        rx = await d.pull("pulled", "sc-pull-p", db, mode="lazy", have=hashes[:1], lookahead=0)
+        assert len(tx.secret) >= 16  # the sidecar hands the offer's secret to its engine
+        rx = await d.pull("pulled", "sc-pull-p", db, mode="lazy", have=hashes[:1], lookahead=0,
+                          secret=tx.secret)
         await anyio.sleep(0.3)
         assert not rx.layer_landed(0)  # lazy: nothing moves before the engine asks
         with anyio.fail_after(20):

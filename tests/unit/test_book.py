@@ -334,7 +334,7 @@ class BookMachine(RuleBasedStateMachine):
         # an offer whose lease ran out is not revived by a late renewal (the next tick ends it)
         offers = {e.request_id: e for e in self.open_live()
                   if e.kind in OFFER_KINDS and self.now <= self.lease_until[e]}
-        unknown, shortest = self.book.renew(by, rids, self.now)
+        unknown, shortest = self.book.renew(by, rids, [], self.now)
         assert unknown == [r for r in rids if r not in offers]
         known = [offers[r] for r in rids if r in offers]
         assert shortest == min((e.lease_s for e in known), default=self.book.lease_s)
@@ -779,8 +779,8 @@ def test_tick_escalates_a_stopping_stream_whose_peer_died() -> None:
 def test_offer_whose_every_keeper_is_dead_fails_without_telling_anyone() -> None:
     book = make()
     e = book.offer("r", "t1", 10.0, 0.0)
-    book.renew("k1", ["r"], 1.0)
-    book.renew("k2", ["r"], 1.0)
+    book.renew("k1", ["r"], [], 1.0)
+    book.renew("k2", ["r"], [], 1.0)
     assert book.peers() == {"k1", "k2"}
     assert book.tick(2.0, lambda peer: peer != "k1", why) == []  # k2 still keeps it
     [fin] = book.tick(3.0, nobody, why)
@@ -792,7 +792,7 @@ def test_offer_whose_every_keeper_is_dead_fails_without_telling_anyone() -> None
 def test_offer_orphaned_via_peer_lost() -> None:
     book = make()
     e = book.offer("r", "t1", 10.0, 0.0)
-    book.renew("k", ["r"], 1.0)
+    book.renew("k", ["r"], [], 1.0)
     actions = book.peer_lost("k", "gone", nobody)
     assert [type(a) for a in actions] == [Finish] and actions[0].entry is e  # type: ignore[union-attr]
 
@@ -801,7 +801,7 @@ def test_ending_an_offer_tells_each_keeper() -> None:
     book = make()
     e = book.offer("r", "t1", 10.0, 0.0)
     for k in ("k2", "k1", "k3"):
-        book.renew(k, ["r"], 1.0)
+        book.renew(k, ["r"], [], 1.0)
     actions = book.end(e, S.ABORTED, "engine abort")
     assert actions == [TellKeeper("k1", "r", "engine abort"), TellKeeper("k2", "r", "engine abort"),
                        TellKeeper("k3", "r", "engine abort"),
@@ -812,7 +812,7 @@ def test_ending_an_offer_tells_each_keeper() -> None:
 def test_expired_offer_tells_its_keepers() -> None:
     book = make()
     e = book.offer("r", "t1", 2.0, 0.0)
-    book.renew("k", ["r"], 1.0)
+    book.renew("k", ["r"], [], 1.0)
     assert book.tick(3.0, everyone, why) == []  # renewed at 1: good until 3
     actions = book.tick(3.01, everyone, why)
     assert [type(a) for a in actions] == [TellKeeper, Finish]
@@ -825,7 +825,7 @@ def test_serve_lease_expires_mid_pull_unless_renewed() -> None:
     e = book.offer("r", "t1", 2.0, 0.0)
     book.serve(e, "dst", 1.0)
     book.streaming(e, "t1", 1.0, None)
-    assert book.renew("dst", ["r"], 2.5) == ([], 2.0)
+    assert book.renew("dst", ["r"], [], 2.5) == ([], 2.0)
     assert book.tick(4.5, everyone, why) == []
     [stop] = book.tick(4.6, everyone, why)
     assert stop == Stop(e, S.EXPIRED, "lease of 2.0s expired mid-pull", EndCause.LEASE_EXPIRED)
@@ -955,7 +955,7 @@ def test_end_all_then_finishing_everything_leaves_an_empty_book() -> None:
     book.streaming(s, "t1", 0.0, None)
     book.reserve("r2", 0.0)
     o = book.offer("r3", "t3", 4.0, 0.0)
-    book.renew("k", ["r3"], 0.0)
+    book.renew("k", ["r3"], [], 0.0)
     book.keep("src", "r4", 0.0)
     actions = book.end_all("closing")
     assert book.leases  # not asked to
@@ -972,7 +972,7 @@ def test_end_all_then_finishing_everything_leaves_an_empty_book() -> None:
 def test_a_renewal_after_the_lease_ran_out_revives_nothing() -> None:
     book = make()
     e = book.offer("r", "t1", 1.0, 0.0)
-    assert book.renew("k", ["r"], 1.5) == (["r"], book.lease_s)  # late: unknown to the keeper
+    assert book.renew("k", ["r"], [], 1.5) == (["r"], book.lease_s)  # late: unknown to the keeper
     [fin] = book.tick(1.5, everyone, why)
     assert isinstance(fin, Finish) and fin.entry is e and fin.state is S.EXPIRED
 
@@ -983,3 +983,16 @@ def test_a_lease_and_its_pull_are_renewed_under_one_request_id() -> None:
     book.confirmed_lease(lease, 4.0)
     book.pull("src", "r", 0.0)  # negotiating while the lease is still kept
     assert book.tick(0.0, everyone, why) == [Renew("src", ("r",))]
+
+
+def test_renewal_needs_the_offers_secret():
+    """A keeper without the offer's secret renews nothing and learns nothing: it is answered
+    as for an offer that does not exist, and counted."""
+    book = Book(max_transfers=4, reservation_timeout_s=1.0, transfer_timeout_s=1.0, lease_s=2.0)
+    book.offer("r", "t", 2.0, 0.0, secret="s" * 22)
+    assert book.renew("thief", ["r"], ["wrong"], 1.0) == (["r"], 2.0)
+    assert book.renew("thief", ["r"], [], 1.0) == (["r"], 2.0)
+    assert book.counts["forbidden"] == 2
+    assert book.offers["r"].lease_until == 2.0 and not book.offers["r"].keepers
+    assert book.renew("dst", ["r"], ["s" * 22], 1.5) == ([], 2.0)
+    assert book.offers["r"].lease_until == 3.5 and book.offers["r"].keepers == {"dst"}

@@ -1,7 +1,8 @@
 """The whole engine, two Agents, over the in-memory seams: no NATS, no UCX.
 
 Every mode end to end, and cancellation in the middle of a transfer from either side:
-afterwards nothing is held (book, staging, reservations) on either agent.
+afterwards nothing is held (book, staging, reservations) on either agent. An offer's
+secret: a pull, keep or abort without it is refused and the offer stays the right puller's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ import anyio
 import pytest
 import torch
 
-from kvstream import Agent, AgentConfig, TransferState
-from kvstream._exceptions import DuplicateRequestError, LeaseExpiredError, TransferError
-from kvstream.control.memory import MemoryHub
+from kvstream import Agent, AgentConfig, ForbiddenError, TransferState
+from kvstream._exceptions import (
+    ConfigError,
+    DuplicateRequestError,
+    LeaseExpiredError,
+    TransferError,
+)
+from kvstream.control.aborts import release_offer
+from kvstream.control.identity import Identity
+from kvstream.control.memory import MemoryBus, MemoryHub
 from kvstream.dataplane.loopback import LoopbackFabric, LoopbackTransport
 from kvstream.prefix import block_hashes
 from kvstream.transfer import EndCause, Side
@@ -110,7 +118,8 @@ async def test_pull_every_mode_and_incremental(mode):
         hashes = block_hashes(tokens, 8)
         offer = p.offer("r", [1, 2, 3], block_hashes=hashes)
         offer.all_ready()
-        rx = await d.pull("r", "p", [4, 5, 6], mode=mode, have=hashes[:1])
+        rx = await d.pull("r", "p", [4, 5, 6], mode=mode, have=hashes[:1],
+                          secret=offer.secret)
         with anyio.fail_after(5):
             for layer in range(4):
                 await rx.wait_layer(layer)
@@ -125,10 +134,10 @@ async def test_kept_lease_outlives_its_period_and_is_taken_over():
     async with _pair() as (p, d, _):
         offer = p.offer("r", [1], lease_s=0.4)
         offer.all_ready()
-        lease = await d.keep("r", "p")
+        lease = await d.keep("r", "p", secret=offer.secret)
         await anyio.sleep(1.2)  # three lease periods: renewals keep it
         assert p.statistics().held_active == 1 and lease.active
-        rx = await d.pull("r", "p", [2])
+        rx = await d.pull("r", "p", [2], secret=offer.secret)
         with anyio.fail_after(5):
             await rx.wait()
         assert await lease.lost() is None and not lease.active
@@ -142,9 +151,9 @@ async def test_unrenewed_offer_expires_on_time():
             result = await offer.result()
         assert result.status is TransferState.EXPIRED and result.cause is EndCause.LEASE_EXPIRED
         with pytest.raises(TransferError, match="holds no KV"):
-            await d.pull("r", "p", [2])
+            await d.pull("r", "p", [2], secret=offer.secret)
         with pytest.raises(LeaseExpiredError):
-            await d.keep("r", "p")
+            await d.keep("r", "p", secret=offer.secret)
         await _at_rest(p, d)
 
 
@@ -171,7 +180,7 @@ async def test_abort_mid_lazy_pull_releases_the_offer():
     async with _pair() as (p, d, _):
         offer = p.offer("r", [1, 2])
         offer.all_ready()
-        rx = await d.pull("r", "p", [3, 4], mode="lazy", lookahead=0)
+        rx = await d.pull("r", "p", [3, 4], mode="lazy", lookahead=0, secret=offer.secret)
         with anyio.fail_after(5):
             await rx.wait_layer(0)
         await rx.abort("engine gave up")
@@ -269,3 +278,114 @@ async def test_given_ports_mean_no_nats_and_no_ucx(monkeypatch):
         with anyio.fail_after(5):
             assert (await rx.wait()).ok
         assert p.nats_url == "" and _same(p, d, [2], [1])
+
+
+# -- an offer's secret: only the puller it was handed to gets the blocks ------------------
+WRONG = "not-the-offer-secret-0123"
+
+
+async def _raw_bus(p: Agent, name: str, *, signed: bool = True) -> MemoryBus:
+    """A bus on ``p``'s hub that is no Agent (like the proxy's): it signs as ``name``."""
+    bus = p._core.control
+    assert isinstance(bus, MemoryBus)
+    raw = await bus.hub.connect(name)
+    if signed:
+        raw.seal.identity = Identity(name)
+    return raw
+
+
+async def test_pull_without_the_secret_is_forbidden_and_the_offer_stays():
+    async with _pair() as (p, d, _):
+        offer = p.offer("r", [1, 5, 9])
+        offer.all_ready()
+        assert len(offer.secret) >= 16
+        for wrong in ("", WRONG):
+            before = p.statistics().forbidden_requests
+            with pytest.raises(ForbiddenError, match="secret"):
+                await d.pull("r", "p", [2, 3, 4], secret=wrong)
+            # (>: the pull's own renewal, if the timer sent one meanwhile, is refused too)
+            assert p.statistics().forbidden_requests > before
+        s = p.statistics()
+        assert s.held_active == 1 and s.transfers_active == 0 and not offer.done
+        assert not _same(p, d, [1, 5, 9], [2, 3, 4])  # nothing was sent
+        # Still the right puller's, whole: it pulls and the bytes are the source's.
+        rx = await d.pull("r", "p", [2, 3, 4], secret=offer.secret)
+        with anyio.fail_after(5):
+            got, served = await rx.wait(), await offer.wait()
+        assert got.ok and served.ok and _same(p, d, [1, 5, 9], [2, 3, 4])
+        await _at_rest(p, d)
+
+
+async def test_a_callers_own_secret_is_the_one_to_present():
+    async with _pair() as (p, d, _):
+        mine = "a-secret-of-my-own-making"
+        offer = p.offer("r", [1], secret=mine)
+        offer.all_ready()
+        assert offer.secret == mine
+        with pytest.raises(ConfigError):
+            p.offer("short", [2], secret="too-short")
+        rx = await d.pull("r", "p", [2], secret=mine)
+        with anyio.fail_after(5):
+            assert (await rx.wait()).ok
+        assert _same(p, d, [1], [2])
+        await _at_rest(p, d)
+
+
+async def test_keep_with_a_wrong_secret_does_not_extend_the_lease():
+    async with _pair() as (p, d, _):
+        lease_s = 1.0
+        start = anyio.current_time()
+        offer = p.offer("r", [1], lease_s=lease_s)
+        await anyio.sleep(lease_s / 2)
+        for wrong in (WRONG, ""):
+            before = p.statistics().forbidden_requests
+            with pytest.raises(LeaseExpiredError):  # answered like an offer that is not there
+                await d.keep("r", "p", secret=wrong)
+            assert p.statistics().forbidden_requests > before
+        with anyio.fail_after(3):
+            result = await offer.result()
+        # A renewal at lease_s / 2 would have moved expiry to 1.5 * lease_s.
+        elapsed = anyio.current_time() - start
+        assert result.status is TransferState.EXPIRED and result.cause is EndCause.LEASE_EXPIRED
+        assert elapsed < 1.4 * lease_s, elapsed
+        await _at_rest(p, d)
+
+
+async def test_abort_by_request_id_needs_the_secret():
+    async with _pair() as (p, d, _):
+        offer = p.offer("r", [1, 2])
+        offer.all_ready()
+        ns = p.config.namespace
+        # The destination releasing what it never kept, without / with a wrong secret.
+        assert await d.release("r", "p", "no secret")  # acknowledged, but refused
+        assert await d.release("r", "p", "wrong secret", secret=WRONG)
+        # A signed bus that is no agent (like the proxy's), without the secret.
+        proxy = await _raw_bus(p, "proxy")
+        assert await release_offer(proxy, ns, "p", "r", "routing failed", by="proxy")
+        # An unsigned one is not even heard.
+        unsigned = await _raw_bus(p, "anon", signed=False)
+        assert not await release_offer(unsigned, ns, "p", "r", "routing failed", by="anon",
+                                       secret=offer.secret, timeout=0.5)
+        s = p.statistics()
+        assert s.forbidden_requests == 3 and s.unauthenticated_messages >= 1
+        assert s.held_active == 1 and not offer.done
+        rx = await d.pull("r", "p", [3, 4], secret=offer.secret)
+        with anyio.fail_after(5):
+            got, served = await rx.wait(), await offer.wait()
+        assert got.ok and served.ok and _same(p, d, [1, 2], [3, 4])
+        await _at_rest(p, d)
+
+
+async def test_abort_by_request_id_with_the_secret_ends_the_offer():
+    async with _pair() as (p, d, _):
+        offer = p.offer("r", [1])
+        proxy = await _raw_bus(p, "proxy")
+        assert await release_offer(proxy, p.config.namespace, "p", "r", "routing failed",
+                                   by="proxy", secret=offer.secret)
+        with anyio.fail_after(5):
+            result = await offer.result()
+        assert result.status is TransferState.ABORTED and result.cause is EndCause.PEER_ABORT
+        assert "proxy" in result.reason and p.statistics().forbidden_requests == 0
+        with pytest.raises(TransferError, match="holds no KV"):
+            await d.pull("r", "p", [2], secret=offer.secret)
+        await _at_rest(p, d)

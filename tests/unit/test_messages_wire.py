@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import numpy as np
 import pytest
@@ -47,19 +49,21 @@ def test_tags_are_stable():
                     "Renew": "kv.renew", "RenewAck": "kv.renew_ack"}
 
 
-def test_v1_fixture_still_decodes():
-    # Bytes as a protocol-1 peer sends them (recorded); new fields must keep decoding them.
+def test_v1_peers_are_refused_clearly():
+    # Bytes as a protocol-1 peer sends them (recorded). Version 2 signs every message and
+    # widens the data-plane tags: a version-1 peer is refused with a clear reason.
     old = bytes.fromhex("83a26f70a76b762e646f6e65a17601ab7472616e736665725f6964a174")
     raw = msgspec.msgpack.decode(old)
     assert raw == {"op": "kv.done", "v": 1, "transfer_id": "t"}
-    with pytest.raises(MessageDecodeError):  # request_id and status are required
-        m.decode(old)
     full = msgspec.msgpack.encode({**raw, "request_id": "r", "status": "aborted"})
-    assert m.decode(full) == m.Done(transfer_id="t", request_id="r", status="aborted")
+    with pytest.raises(MessageDecodeError, match="protocol version 1 is older"):
+        m.decode(full)
+    v2 = msgspec.msgpack.encode({**raw, "v": 2, "request_id": "r", "status": "aborted"})
+    assert m.decode(v2) == m.Done(transfer_id="t", request_id="r", status="aborted")
 
 
 def test_unknown_fields_are_ignored():
-    data = msgspec.msgpack.encode({"op": "kv.leave", "v": 1, "instance_id": "a", "future": [1]})
+    data = msgspec.msgpack.encode({"op": "kv.leave", "v": 2, "instance_id": "a", "future": [1]})
     assert m.decode(data) == m.Leave(instance_id="a")
 
 
@@ -80,11 +84,26 @@ def test_malformed_is_a_clear_error(payload):
 
 def test_tag_layout():
     tag = wire.make_tag(0xABCD, 5, wire.KIND_DATA + 1)
-    assert tag >> 32 == 0xABCD and (tag >> 8) & 0xFFFFFF == 5 and tag & 0xFF == 3
+    assert tag >> 16 == 0xABCD and (tag >> 4) & 0xFFF == 5 and tag & 0xF == 3
+    assert wire.make_tag((1 << 48) - 1, wire.MAX_LAYERS, wire.MAX_KIND) == (1 << 64) - 1
     with pytest.raises(ProtocolError):
-        wire.make_tag(1, 1 << 24, 0)
-    a, b = wire.next_xfer_tag(), wire.next_xfer_tag()
-    assert a != b and 0 < a < 1 << 32
+        wire.make_tag(1, wire.MAX_LAYERS + 1, 0)
+    with pytest.raises(ProtocolError):
+        wire.make_tag(1, 0, wire.MAX_KIND + 1)
+
+
+def test_tags_are_random_unique_and_live_until_released():
+    tags = [wire.new_xfer_tag() for _ in range(1000)]
+    try:
+        assert len(set(tags)) == 1000 and all(0 < t < 1 << 48 for t in tags)
+        # Random, not a counter: consecutive tags are not neighbours (a counter's would be
+        # 1 apart every time; random ones are with probability 1000 / 2**48).
+        assert sum(abs(a - b) == 1 for a, b in itertools.pairwise(tags)) == 0
+        assert all(wire.is_live(wire.make_tag(t, 7, wire.KIND_DATA)) for t in tags)
+    finally:
+        for t in tags:
+            wire.release_xfer_tag(t)
+    assert not any(wire.is_live(wire.make_tag(t, 0, 0)) for t in tags)
 
 
 def test_header_round_trip_and_bounds():
@@ -123,7 +142,7 @@ def _manifest(**kw):
 @pytest.mark.parametrize("bad", [
     {"deadline_s": float("nan")}, {"deadline_s": float("inf")}, {"deadline_s": 0.0},
     {"src_blocks": [-1]}, {"src_blocks": list(range(m.MAX_BLOCKS + 1))},
-    {"src_tag": 1 << 40}, {"num_layers": 0}, {"num_layers": m.MAX_LAYERS + 1},
+    {"src_tag": 1 << 48}, {"num_layers": 0}, {"num_layers": m.MAX_LAYERS + 1},
     {"src_address": b"x" * ((64 << 10) + 1)}, {"request_id": "r" * 1025},
     {"cache_scales": [1.0] * (2 * m.MAX_LAYERS + 1)}, {"payload_bytes": -5},
 ])

@@ -40,17 +40,18 @@ EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_
 class KVStreamMetadata(KVConnectorMetadata):
     """One step's decisions, scheduler to workers (pickled: plain data only)."""
 
-    # prefill: request id -> (block ids, prefix hashes of its full blocks)
-    offer: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # prefill: request id -> (block ids, prefix hashes of its full blocks, offer secret)
+    offer: dict[str, tuple[list[int], list[int], str]] = field(default_factory=dict)
     abort_offer: list[str] = field(default_factory=list)
-    # decode: request id -> (source instance, its request id)
-    keep: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # decode: request id -> (source instance, its request id, the offer's secret)
+    keep: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     # decode: request id -> (source, its request id, local blocks, have hashes, local hits,
-    # wire codec)
-    pull: dict[str, tuple[str, str, list[int], list[int], int, str]] = field(default_factory=dict)
+    # wire codec, the offer's secret)
+    pull: dict[str, tuple[str, str, list[int], list[int], int, str, str]] = field(
+        default_factory=dict)
     abort_pull: list[str] = field(default_factory=list)
-    # decode: (source, its request id) holds to drop without pulling
-    release: list[tuple[str, str, str]] = field(default_factory=list)
+    # decode: (source, its request id, reason, secret) holds to drop without pulling
+    release: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
 class _ToVllmLogger(logging.Handler):

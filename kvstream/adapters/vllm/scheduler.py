@@ -5,6 +5,7 @@ only knows its worker's instance id, which goes out in ``remote_engine_id``."""
 from __future__ import annotations
 
 import math
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from kvstream.adapters.vllm.common import REQUIRED, KVStreamMetadata, Side, flat, log
@@ -25,12 +26,14 @@ class SchedulerSide(Side):
         self._kv_cache_manager: KVCacheManager | None = None
         self._meta = KVStreamMetadata()
         self._producing: dict[str, Request] = {}   # prefill: awaiting the prompt's last chunk
-        self._offered: set[str] = set()            # prefill: offered, blocks owned until sent
-        self._kept: dict[str, tuple[str, str]] = {}     # decode: lease kept, not yet allocated
-        self._loading: dict[str, tuple[str, str]] = {}  # decode: pull asked for, not finished
+        # prefill: offered, blocks owned until sent; the offer's secret, for the params
+        self._offered: dict[str, str] = {}
+        self._kept: dict[str, tuple[str, str, str]] = {}  # decode: lease kept, not allocated
+        self._loading: dict[str, tuple[str, str, str]] = {}  # decode: pull asked, not finished
 
-    def _remote(self, params: dict[str, Any]) -> tuple[str, str] | None:
-        """(source instance, its request id) of complete prefill params, else None."""
+    def _remote(self, params: dict[str, Any]) -> tuple[str, str, str] | None:
+        """(source instance, its request id, the offer's secret) of complete prefill params,
+        else None."""
         if any(params.get(k) is None for k in REQUIRED):
             log.warning("incomplete kv_transfer_params (need %s): %s", ", ".join(REQUIRED), params)
             return None
@@ -39,7 +42,9 @@ class SchedulerSide(Side):
             log.warning("prefill block_size %s != %s here: recomputing instead",
                         ours.get("block_size"), self._block_size)
             return None
-        return str(params["remote_engine_id"]), str(params["remote_request_id"])
+        secret = ours.get("secret", "") if isinstance(ours, dict) else ""
+        return (str(params["remote_engine_id"]), str(params["remote_request_id"]),
+                secret if isinstance(secret, str) else "")
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -77,7 +82,8 @@ class SchedulerSide(Side):
         if remote is None:
             return
         if num_external_tokens <= 0:  # the local prefix cache had everything
-            self._meta.release.append((*remote, "the decode side had the prompt cached"))
+            self._meta.release.append((*remote[:2], "the decode side had the prompt cached",
+                                       remote[2]))
             return
         prompt = list(request.prompt_token_ids or ())
         nblocks = math.ceil(len(prompt) / self._block_size)
@@ -87,7 +93,7 @@ class SchedulerSide(Side):
         have = block_hashes(prompt, self._block_size)[:local]
         ours = params.get("kvstream")
         codec = str(ours.get("codec") or self._codec) if isinstance(ours, dict) else self._codec
-        self._meta.pull[rid] = (*remote, ids, have, local, codec)
+        self._meta.pull[rid] = (remote[0], remote[1], ids, have, local, codec, remote[2])
         self._loading[rid] = remote
         self._events("pull_scheduled", request_id=rid, src=remote[0], remote_request_id=remote[1],
                      external_tokens=num_external_tokens, local_blocks=local, blocks=len(ids))
@@ -108,8 +114,12 @@ class SchedulerSide(Side):
                 continue
             prompt = list(req.prompt_token_ids or ())
             nblocks = math.ceil(len(prompt) / self._block_size)
-            self._meta.offer[rid] = (flat(ids)[:nblocks], block_hashes(prompt, self._block_size))
-            self._offered.add(rid)
+            # Every rank offers under one secret; it goes out in the params, and only a
+            # decode that was handed them can pull (the router passes them along).
+            secret = secrets.token_urlsafe(16)
+            self._meta.offer[rid] = (flat(ids)[:nblocks], block_hashes(prompt, self._block_size),
+                                     secret)
+            self._offered[rid] = secret
             del self._producing[rid]
         meta, self._meta = self._meta, KVStreamMetadata()
         return meta
@@ -118,7 +128,7 @@ class SchedulerSide(Side):
         for rid in connector_output.finished_recving or ():
             self._loading.pop(rid, None)
         for rid in connector_output.finished_sending or ():
-            self._offered.discard(rid)
+            self._offered.pop(rid, None)
 
     def request_finished(self, request: Request,
                          block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -130,10 +140,12 @@ class SchedulerSide(Side):
         # decode side
         kept = self._kept.pop(rid, None)
         if kept is not None:  # finished (aborted) before its blocks were allocated
-            self._meta.release.append((*kept, "the decode request ended before loading"))
+            self._meta.release.append((*kept[:2], "the decode request ended before loading",
+                                       kept[2]))
             params["do_remote_prefill"] = False
         elif params.get("do_remote_prefill") and (remote := self._remote(params)):
-            self._meta.release.append((*remote, "the decode request ended before loading"))
+            self._meta.release.append((*remote[:2], "the decode request ended before loading",
+                                       remote[2]))
             params["do_remote_prefill"] = False
         if rid in self._loading:  # vLLM keeps the blocks until finished_recving
             self._meta.abort_pull.append(rid)
@@ -160,7 +172,8 @@ class SchedulerSide(Side):
             "remote_num_tokens": request.num_prompt_tokens,
             "transfer_mode": "pull",
             "kvstream": {"instance": self._instance, "namespace": self._namespace,
-                         "block_size": self._block_size, "blocks": len(blocks)},
+                         "block_size": self._block_size, "blocks": len(blocks),
+                         "secret": self._offered.get(rid, "")},
         }
         self._events("offer_returned", request_id=rid, blocks=len(blocks))
         return True, out

@@ -151,10 +151,10 @@ class WorkerSide(Side):
                             "connector; vLLM %s", rid, self._on_load_failure())
                 self._results.put(("recv", rid, False, job[2][job[4]:]))
             return
-        for src, rrid in meta.keep.values():
-            rt.spawn(self._keep, self._src(src), rrid)
-        for src, rrid, reason in meta.release:
-            rt.spawn(self._release, self._src(src), rrid, reason)
+        for src, rrid, secret in meta.keep.values():
+            rt.spawn(self._keep, self._src(src), rrid, secret)
+        for src, rrid, reason, secret in meta.release:
+            rt.spawn(self._release, self._src(src), rrid, reason, secret)
         for rid, job in meta.pull.items():
             self._pulls[rid] = None
             rt.spawn(self._pull, rid, self._src(job[0]), *job[1:])
@@ -171,9 +171,9 @@ class WorkerSide(Side):
         rt = self._rt()
         if meta.offer and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the forward wrote the blocks
-        for rid, (blocks, hashes) in meta.offer.items():
+        for rid, (blocks, hashes, secret) in meta.offer.items():
             try:
-                handle = rt.call(self._offer, rid, blocks, hashes)
+                handle = rt.call(self._offer, rid, blocks, hashes, secret)
             except KVStreamError as exc:
                 log.error("offer of %s failed: %s", rid, exc)
                 self._results.put(("send", rid, False, []))
@@ -186,12 +186,12 @@ class WorkerSide(Side):
                 rt.spawn(offered.abort, "the prefill request did not finish normally")
 
     # -- on the agent's loop --------------------------------------------------------------
-    def _offer(self, rid: str, blocks: list[int], hashes: list[int]) -> SendHandle:
+    def _offer(self, rid: str, blocks: list[int], hashes: list[int], secret: str) -> SendHandle:
         agent = self._rt().agent
         if agent is None:
             raise AdapterError("the connector's agent is not running (shut down?)")
         handle = agent.offer(rid, blocks, block_hashes=hashes, mode="eager",
-                             lease_s=self._extra.get("lease_s"))
+                             lease_s=self._extra.get("lease_s"), secret=secret)
         handle.all_ready()
         self._events("offered", request_id=rid, blocks=len(blocks), instance=self._instance)
         return handle
@@ -208,34 +208,35 @@ class WorkerSide(Side):
                      bytes=res.bytes, skipped=res.bytes_skipped, codec=res.codec)
         self._results.put(("send", rid, res.ok, []))
 
-    async def _keep(self, src: str, rrid: str) -> None:
+    async def _keep(self, src: str, rrid: str, secret: str) -> None:
         agent = self._runtime.agent if self._runtime else None
         if agent is None:
             return
         try:
-            await agent.keep(rrid, src)
+            await agent.keep(rrid, src, secret)
         except KVStreamError as exc:
             log.warning("keeping %s at %s failed (the pull will report it): %s", rrid, src, exc)
 
-    async def _release(self, src: str, rrid: str, reason: str) -> None:
+    async def _release(self, src: str, rrid: str, reason: str, secret: str) -> None:
         agent = self._runtime.agent if self._runtime else None
         if agent is None:
             return
         try:
-            await agent.release(rrid, src, reason)
+            await agent.release(rrid, src, reason, secret)
         except KVStreamError as exc:  # a bad instance id: the hold expires with its lease
             log.warning("releasing %s at %s failed: %s", rrid, src, exc)
         self._events("released", src=src, remote_request_id=rrid, reason=reason)
 
     async def _pull(self, rid: str, src: str, rrid: str, blocks: list[int], have: list[int],
-                    local: int, codec: str) -> None:
+                    local: int, codec: str, secret: str) -> None:
         agent = self._runtime.agent if self._runtime else None
         res: TransferResult | None = None
         why = ""
         try:
             if agent is None:
                 raise AdapterError("agent closed")
-            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have, codec=codec)
+            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have, codec=codec,
+                                      secret=secret)
             self._pulls[rid] = handle
             if rid in self._cancelled:
                 await handle.abort("the decode request ended")

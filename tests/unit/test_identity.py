@@ -1,0 +1,89 @@
+"""Signed control messages: who may speak for an instance (control/identity.py, the
+registry's key book), and the in-memory bus refusing what does not check out."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvstream.control import messages as m
+from kvstream.control.identity import FROM, KEY, SENDER, SIG, Identity, Seal, open_sealed
+from kvstream.control.memory import MemoryBus, MemoryHub
+from kvstream.control.registry import Registry
+
+pytestmark = pytest.mark.anyio
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_signature_checks_only_for_that_subject_sender_and_payload():
+    me = Identity("p")
+    headers = me.seal("kvs.x.inst.d.ctl", b"payload", {"traceparent": "t"})
+    assert headers["traceparent"] == "t" and headers[FROM] == "p"
+    anyone = lambda iid, key: True  # noqa: E731
+    assert open_sealed("kvs.x.inst.d.ctl", b"payload", headers, anyone) == "p"
+    assert open_sealed("kvs.x.inst.e.ctl", b"payload", headers, anyone) is None  # redirected
+    assert open_sealed("kvs.x.inst.d.ctl", b"payloaD", headers, anyone) is None  # tampered
+    assert open_sealed("kvs.x.inst.d.ctl", b"payload", {**headers, FROM: "q"}, anyone) is None
+    assert open_sealed("kvs.x.inst.d.ctl", b"payload", {}, anyone) is None  # unsigned
+    for bad in ({SIG: "!!"}, {KEY: "A" * 10_000}, {SIG: ""}, {FROM: "x" * 2000}):
+        assert open_sealed("kvs.x.inst.d.ctl", b"payload", {**headers, **bad}, anyone) is None
+    assert open_sealed("kvs.x.inst.d.ctl", b"payload", headers, lambda i, k: False) is None
+
+
+def test_the_first_key_of_an_id_holds_until_that_incarnation_left_or_went_silent():
+    clock = Clock()
+    reg = Registry(peer_timeout_s=1.0, clock=clock)
+    old, new = Identity("p").public_key, Identity("p").public_key
+    assert reg.bind_key("p", old) and reg.bind_key("p", old)
+    assert not reg.bind_key("p", new) and reg.keys_refused == 1  # a forger, or too early
+    clock.now = 0.9
+    reg.contact("p")  # a checked message from the bound key keeps it alive
+    clock.now = 1.5
+    assert not reg.bind_key("p", new)
+    clock.now = 2.0  # silent for more than the peer timeout: a restart takes over
+    assert reg.bind_key("p", new) and not reg.bind_key("p", old)
+    reg.leave("p")  # a signed leave: the next incarnation may bind at once
+    assert reg.bind_key("p", old)
+
+
+def test_a_seal_counts_what_it_refuses_and_hands_the_checked_sender():
+    reg = Registry(peer_timeout_s=1.0)
+    seal = Seal()
+    assert seal.incoming("s", b"x", {SENDER: "forged"}) == {}  # off: passes, never SENDER
+    seal.trust = reg.bind_key
+    signed = Identity("p").seal("s", b"x")
+    assert seal.incoming("s", b"x", signed)[SENDER] == "p"
+    assert seal.incoming("s", b"x", {SENDER: "p"}) is None and seal.forged == 1
+    assert seal.incoming("s", b"x", Identity("p").seal("s", b"x")) is None  # another key
+    assert seal.forged == 2
+    assert not seal.reply_from("s", b"x", signed, peer="q")  # a reply by the wrong peer
+    assert seal.reply_from("s", b"x", signed, peer="p")
+
+
+async def test_the_memory_bus_signs_and_refuses_like_nats():
+    got: list[tuple[str, str]] = []
+
+    async def handler(msg, headers):
+        got.append((type(msg).__name__, headers.get(SENDER, "")))
+        return m.AbortAck(transfer_id="t")
+
+    async with MemoryHub() as hub:
+        d, p, x = MemoryBus(hub, "d"), MemoryBus(hub, "p"), MemoryBus(hub, "x")
+        reg_d, reg_p = Registry(peer_timeout_s=1.0), Registry(peer_timeout_s=1.0)
+        d.seal.identity, d.seal.trust = Identity("d"), reg_d.bind_key
+        p.seal.identity, p.seal.trust = Identity("p"), reg_p.bind_key
+        await d.serve("kvs.t.inst.d.ctl", handler)
+        abort = m.Abort(transfer_id="t", request_id="r", reason="x", by="p")
+        reply = await p.request("kvs.t.inst.d.ctl", abort, timeout=1.0, peer="d")
+        assert isinstance(reply, m.AbortAck)
+        reply = await x.request("kvs.t.inst.d.ctl", abort, timeout=1.0)  # unsigned
+        assert isinstance(reply, m.Reject) and reply.code == "unauthenticated"
+        await anyio.sleep(0)
+        assert got == [("Abort", "p")] and d.seal.forged == 1
