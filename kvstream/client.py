@@ -187,8 +187,8 @@ class _LocalClient:
         self.agent.register_kv(layout, tensors, cache_scales=cache_scales)
 
     async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = ()) -> Any:
-        return self.agent.expect(request_id, blocks, have=have)
+                     have: Sequence[int] = (), src: str | None = None) -> Any:
+        return self.agent.expect(request_id, blocks, have=have, src=src)
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
@@ -389,9 +389,9 @@ class _SidecarClient:
             layers.unlink()
 
     async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = ()) -> RemoteReceive:
+                     have: Sequence[int] = (), src: str | None = None) -> RemoteReceive:
         return await self.request(
-            lp.Expect(request_id=request_id, blocks=list(blocks), have=list(have)),
+            lp.Expect(request_id=request_id, blocks=list(blocks), have=list(have), src=src),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id))
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,

@@ -31,8 +31,9 @@ class TransferClient(Protocol):
         """Hand the engine's KV memory to the agent (once)."""
 
     async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = ()) -> Any:
-        """Reserve ``blocks`` for a push of ``request_id``; a receive handle."""
+                     have: Sequence[int] = (), src: str | None = None) -> Any:
+        """Reserve ``blocks`` for a push of ``request_id``; a receive handle. With ``src``,
+        only that instance's push lands here (others are refused "forbidden")."""
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",

@@ -174,7 +174,7 @@ class ControlBus:
                         transfer_id="", code="unauthenticated",
                         reason="the message is not signed by the instance it names"))
                 return
-            if spawn is None:
+            if spawn is None or not msg.reply:  # a publish (done, leave) never waits: inline
                 await handle(decoded, headers, msg)
                 return
             sender = headers.get(SENDER, "")

@@ -5,10 +5,13 @@ allowed to publish on a subject can claim any ``src``. So each agent makes an Ed
 when it starts (``Identity``) and puts three headers on every message: its instance id,
 its public key and a signature over the subject, that id and the payload bytes. The
 receiver checks the signature, then asks its key book (the registry) whether that key
-belongs to that id: the first key seen for an id is bound to it, and a different key is
-refused while the bound one is alive (a restarted instance is accepted once the old one
-has left or gone silent for the peer timeout). Handlers see the checked sender under the
-header name ``SENDER``, which the wire cannot carry (NATS header names have no ':').
+belongs to that id. A key that arrives on the instance's own registry subject (which NATS
+permissions let only that instance publish to) is *announced*: it binds the id, and
+replaces an earlier key once that one's incarnation left or went silent (a restart). A
+key first seen elsewhere binds only tentatively: an announced key replaces it, and it
+never replaces an announced one. Handlers see the checked sender under the header name
+``SENDER`` and the subject under ``SUBJECT``, which the wire cannot carry (NATS header
+names have no ':').
 
 The payload is signed as sent, not re-encoded: a newer peer's extra fields still check.
 """
@@ -23,15 +26,17 @@ from typing import Final
 import nacl.exceptions
 import nacl.signing
 
-__all__ = ["FROM", "KEY", "SENDER", "SIG", "Identity", "Seal", "Trust", "open_sealed"]
+__all__ = ["FROM", "KEY", "SENDER", "SIG", "SUBJECT", "Identity", "Seal", "Trust", "open_sealed"]
 
 FROM: Final = "Kvs-From"
 KEY: Final = "Kvs-Key"
 SIG: Final = "Kvs-Sig"
 SENDER: Final = ":sender"  # set by the bus after checking; never on the wire
+SUBJECT: Final = ":subject"  # the subject it came on, likewise
 
-# (instance id, public key) -> is this the key of that instance (binding it if new)?
-Trust = Callable[[str, bytes], bool]
+# (instance id, public key, announced) -> is this that instance's key? Binds a new one
+# (``announced``: it came on the instance's own registry subject).
+Trust = Callable[[str, bytes, bool], bool]
 
 _MAX_ID: Final = 1024
 
@@ -72,10 +77,11 @@ class Identity:
         return out
 
 
-def open_sealed(subject: str, data: bytes, headers: Mapping[str, str],
-                trust: Trust) -> str | None:
-    """The sender's instance id when the signature checks and ``trust`` owns the key to
-    it, else None (unsigned, forged, tampered or an id bound to another key)."""
+def open_sealed(subject: str, data: bytes, headers: Mapping[str, str], trust: Trust,
+                registry_prefix: str = "") -> str | None:
+    """The sender's instance id when the signature checks and ``trust`` owns (or binds)
+    the key to it, else None (unsigned, forged, tampered or an id bound to another key).
+    A message on ``registry_prefix + sender`` announces its key."""
     sender = headers.get(FROM, "")
     if not sender or len(sender) > _MAX_ID:
         return None
@@ -87,7 +93,8 @@ def open_sealed(subject: str, data: bytes, headers: Mapping[str, str],
         nacl.signing.VerifyKey(key).verify(_signed(subject, sender, data), sig)
     except (nacl.exceptions.BadSignatureError, nacl.exceptions.CryptoError, ValueError):
         return None
-    return sender if trust(sender, key) else None
+    announced = bool(registry_prefix) and subject == registry_prefix + sender
+    return sender if trust(sender, key, announced) else None
 
 
 class Seal:
@@ -97,10 +104,12 @@ class Seal:
     def __init__(self) -> None:
         self.identity: Identity | None = None
         self.trust: Trust | None = None
+        self.registry_prefix = ""  # "kvs.<ns>.registry.": where keys are announced
         self.forged = 0  # messages refused: unsigned, bad signature, or a key not theirs
 
     def outgoing(self, subject: str, data: bytes,
                  headers: Mapping[str, str] | None) -> dict[str, str] | None:
+        """The headers to send ``data`` on ``subject`` with: signed once set up."""
         if self.identity is None:
             return dict(headers) if headers else None
         return self.identity.seal(subject, data, headers)
@@ -108,10 +117,11 @@ class Seal:
     def incoming(self, subject: str, data: bytes,
                  headers: Mapping[str, str] | None) -> dict[str, str] | None:
         """The headers a handler sees (with ``SENDER`` when checked), or None: refused."""
-        out = {k: v for k, v in (headers or {}).items() if k != SENDER}
+        out = {k: v for k, v in (headers or {}).items() if k not in (SENDER, SUBJECT)}
+        out[SUBJECT] = subject
         if self.trust is None:
             return out
-        sender = open_sealed(subject, data, out, self.trust)
+        sender = open_sealed(subject, data, out, self.trust, self.registry_prefix)
         if sender is None:
             self.forged += 1
             return None

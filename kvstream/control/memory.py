@@ -119,7 +119,7 @@ class _Subscription:
                     transfer_id="", code="unauthenticated",
                     reason="the message is not signed by the instance it names"), bus.seal)
             return
-        if self.spawn is None:
+        if self.spawn is None or d.reply is None:  # a publish never waits: inline
             await self.handle(decoded, headers, d)
             return
         sender = headers.get(SENDER, "")

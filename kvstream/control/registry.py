@@ -22,6 +22,7 @@ class PeerInfo(msgspec.Struct, kw_only=True):
     last_seen: float
     left: bool = False
     key: bytes = b""  # the Ed25519 public key this incarnation signs with (identity.py)
+    announced: bool = False  # the key came on the instance's own registry subject
 
 
 class Registry:
@@ -63,25 +64,30 @@ class Registry:
             self._peers[announce.instance_id] = PeerInfo(
                 announce=announce, last_seen=self._clock(), key=info.key if info else b"")
 
-    def bind_key(self, instance_id: str, key: bytes) -> bool:
-        """Is ``key`` the one ``instance_id`` signs with? The first key seen for an id is
-        bound to it; another key is refused (and counted) while the bound incarnation is
-        alive, and takes over once it left or fell silent (a restart)."""
+    def bind_key(self, instance_id: str, key: bytes, announced: bool = False) -> bool:
+        """Is ``key`` the one ``instance_id`` signs with (identity.py)? ``announced``: it
+        came on the instance's own registry subject. The first key seen is bound; an
+        announced key replaces a tentative one at once, and an announced one once its
+        incarnation left or fell silent (a restart); a tentative key never replaces an
+        announced one. Refusals are counted (``keys_refused``)."""
         info = self._peers.get(instance_id)
         if info is None:
             if not self._room_for(instance_id):
                 return False
-            self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key)
+            self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key,
+                                                announced=announced)
             return True
-        if info.key == key:
-            return True
-        if not info.key:
+        if info.key == key or not info.key:
             info.key = key
+            info.announced = info.announced or announced
             return True
-        if self.alive(instance_id):
+        alive = self.alive(instance_id)
+        if (not announced and (info.announced or alive)) or (announced and info.announced
+                                                             and alive):
             self.keys_refused += 1
             return False
-        self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key)
+        self._peers[instance_id] = PeerInfo(announce=None, last_seen=self._clock(), key=key,
+                                            announced=announced)
         return True
 
     def contact(self, instance_id: str) -> None:

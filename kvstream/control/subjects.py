@@ -35,6 +35,10 @@ class Subjects:
         return f"{self.prefix}.registry.{_check('instance id', instance_id)}"
 
     @property
+    def registry_prefix(self) -> str:
+        return f"{self.prefix}.registry."
+
+    @property
     def registry_all(self) -> str:
         return f"{self.prefix}.registry.*"
 

@@ -35,6 +35,7 @@ log = logging.getLogger("kvstream.transfer")
 
 
 class SendStream(Stream):
+    io_cancel_is_safe = False
     def __init__(self, env: StreamEnv, handle: SendHandle, *, peer_address: bytes,
                  src_tag: int, dst_tag: int, dst_contiguous: bool) -> None:
         super().__init__(env, handle.transfer, peer_address)
@@ -56,18 +57,19 @@ class SendStream(Stream):
         """Once the transfer is ending, give sends in flight a bound: a peer that is alive
         but takes none of them (stopped receiving, or a receive taken by someone else)
         would otherwise hold this transfer, its buffers and the agent's stop() for ever.
-        Aborting the endpoint cancels them in UCX (so no buffer is freed under a send);
-        an endpoint another live instance shares is left, and only the wait ends."""
+        Aborting the endpoint cancels them in UCX, so no buffer is freed under a send, even
+        when another live instance shares that endpoint (its transfers fail and retry on a
+        fresh one: a leak of one request's KV into another's would be worse)."""
         await self.stopping.wait()
         with anyio.move_on_after(2 * self.env.config.request_timeout_s):
             await self.quiesced.wait()
             return
         log.warning("%r: sends still in flight %.1fs after it ended; the peer takes none: "
                     "cancelling them", self.transfer, 2 * self.env.config.request_timeout_s)
-        if not self.env.address_shared(self.peer_address, self.peer):
-            self.env.forget(self.peer, self.peer_address)
-        state, reason, cause = self._ending()
-        self.stop(state, reason, peer_dead=True, cause=cause)
+        self.env.forget(self.peer, self.peer_address)
+        self._peer_dead = True
+        self._io_scope.cancel()
+        self._loop_scope.cancel()
 
     def on_remote_done(self, status: str, reason: str) -> None:
         self.remote_status = (status, reason)

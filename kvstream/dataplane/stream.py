@@ -80,6 +80,10 @@ Outcome = tuple[TransferState, str, "EndCause | None"]
 class Stream:
     """What both halves share: the first outcome wins, and stopping cancels the I/O loop."""
 
+    # Cancelling the I/O frees no buffer under UCX: true of the receive half (it drains or
+    # quarantines what is posted), not of the send half (a send in flight reads its buffer).
+    io_cancel_is_safe = True
+
     def __init__(self, env: StreamEnv, transfer: Transfer, peer_address: bytes) -> None:
         self.env = env
         self.transfer = transfer
@@ -119,7 +123,11 @@ class Stream:
             if not self.env.peer_alive(self.peer) and \
                     not self.env.address_shared(self.peer_address, self.peer):
                 self.env.forget(self.peer, self.peer_address)
-            self._io_scope.cancel()
+                self._io_scope.cancel()
+            elif self.io_cancel_is_safe:
+                self._io_scope.cancel()
+            # else (a sender whose endpoint stays): its sends may still read its buffers;
+            # they complete, or ``SendStream._unstick`` aborts the endpoint first.
         self._loop_scope.cancel()
 
     def _ending(self) -> Outcome:

@@ -55,6 +55,9 @@ _EMPTY: Any = None
 # Discarded messages land here; a longer one is truncated, which UCX completes as an
 # error after consuming the message, so a huge rendezvous send costs us nothing.
 SWEEP_SCRATCH_BYTES: Final = 64 * 1024
+# Discarded by receiving only up to this (one eager fragment on every transport here:
+# already in our memory, nothing read from the sender); larger ones are dequeued unread.
+SWEEP_RECEIVE_BYTES: Final = 8 * 1024
 
 
 def _ucxx() -> Any:
@@ -111,6 +114,7 @@ class UcxWorker:
 
     def __init__(self) -> None:
         self._open = False
+        self.dropped_unread = 0  # swept messages too large to receive, dequeued unread
 
     @classmethod
     async def open(cls, *, progress_mode: str = "thread", error_handling: bool = False) -> UcxWorker:
@@ -264,8 +268,15 @@ class UcxWorker:
                 probe = worker.tag_probe(Tag(tag), TagMaskFull, remove=True)
                 if not probe.matched:
                     continue
-                # ``length`` is the sender's word; the scratch bounds what is written.
-                buf = Array(_Shared.scratch[:min(probe.length, SWEEP_SCRATCH_BYTES)])
+                if probe.length > SWEEP_RECEIVE_BYTES:
+                    # Out of the queue, but not received: receiving a larger message (in
+                    # fragments, or by rendezvous) reads from its sender, and one that has
+                    # died with it pending crashed UCX (SIGSEGV). What UCX keeps of it is
+                    # a descriptor; its sender's send never completes (it aborts or dies).
+                    self.dropped_unread += 1
+                    discarded += 1
+                    continue
+                buf = Array(_Shared.scratch[:max(probe.length, 0)])
                 req = worker.tag_recv_with_handle(buf, probe)
             except Exception as exc:
                 raise DataPlaneError(f"UCX discard of tag {tag:#x} failed: {exc}") from exc
@@ -307,9 +318,11 @@ class UcxWorker:
                 log.debug("self endpoint abort at close: %s", exc)
         _Shared.endpoints = {}
         _Shared.self_ep = None
+        # The discards' request objects go before UCX does (freed after its reset they
+        # crashed at exit); the scratch they may write into stays until after the reset.
+        _Shared.discards = []
         _reset(ucxx)
-        # Only now: a discard still queued in UCX may write into the scratch until reset.
-        _Shared.discards, _Shared.scratch = [], None
+        _Shared.scratch = None
         _Shared.loop = None
 
 

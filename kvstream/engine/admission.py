@@ -7,6 +7,7 @@ whole in the bounded staging pool until ``expect()`` claims it, or refused with 
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from kvstream.memory import is_run
 from kvstream.prefix import skipped_indices
 from kvstream.quant.scheme import wire_layer_bytes
 from kvstream.transfer.handles import ReceiveHandle
-from kvstream.transfer.state import Side, Transfer
+from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -56,19 +57,39 @@ def _trace(t: Transfer, msg: m.Manifest, headers: dict[str, str] | None) -> None
         mode=msg.mode, codec=msg.codec, blocks=len(msg.src_blocks)))
 
 
+# Transfer ids of the manifests taken lately: a replayed one (a copy of a signed message
+# someone captured) is refused as a duplicate, not staged again.
+SEEN_TRANSFERS = 1 << 16
+
+
 class Admission:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def _taken(self, transfer_id: str) -> None:
+        """This manifest was accepted: a copy of it later is a replay."""
+        self._seen[transfer_id] = None
+        if len(self._seen) > SEEN_TRANSFERS:
+            self._seen.popitem(last=False)
 
     def expect(self, request_id: str, dst_blocks: Sequence[int], *,
-               have: Iterable[int] = ()) -> ReceiveHandle:
+               have: Iterable[int] = (), src: str | None = None) -> ReceiveHandle:
+        """``src``: only that instance's push may land (any signed one's, without it)."""
         core = self.core
         mem = core.mem()
+        if src is not None:
+            Subjects.check_instance_id(src)
         current = core.book.receiving.get(request_id)
         if current is not None and current.kind is Kind.STAGED:
-            return self._claim(current, mem, dst_blocks)
+            if src is None or current.peer == src:
+                return self._claim(current, mem, dst_blocks)
+            core.count("forbidden", 1)  # staged by another source: it never lands here
+            core.end(current, TransferState.ABORTED, f"staged by {current.peer}, not by the "
+                     f"expected {src}", EndCause.ENGINE_ABORT)
         blocks = mem.block_map(dst_blocks, what="destination block")
         entry = core.book.reserve(request_id, core.clock())
+        entry.expect_from = src or ""
         transfer = Transfer(transfer_id="", request_id=request_id, side=Side.RECV, peer="",
                             num_layers=mem.layout.num_layers,
                             layer_bytes=mem.planes * mem.plane_bytes(len(blocks)),
@@ -103,14 +124,17 @@ class Admission:
         mem = core.memory
         if mem is None:
             return reject("no_reservation", f"{core.instance_id} has no registered KV memory")
+        if msg.dst != core.instance_id:
+            core.count("forbidden", 1)
+            return reject("forbidden", f"the manifest is for {msg.dst}, not for this instance")
         if msg.codec not in core.config.accept_codecs:
             return reject("incompatible", f"codec {msg.codec!r} is not accepted here "
                           f"(AgentConfig.accept_codecs: {', '.join(core.config.accept_codecs)})")
         if (why := layout_mismatch(mem, msg.fingerprint, msg.num_layers, msg.codec,
                                        msg.cache_scales)) is not None:
             return reject("incompatible", why)
-        if msg.transfer_id in core.book.streams:
-            return reject("duplicate", f"transfer {msg.transfer_id} is already running")
+        if msg.transfer_id in core.book.streams or msg.transfer_id in self._seen:
+            return reject("duplicate", f"transfer {msg.transfer_id} was offered here before")
         entry = core.book.receiving.get(msg.request_id)
         if entry is not None and entry.kind is not Kind.RESERVATION:
             return reject("duplicate", f"request {msg.request_id!r} already has a "
@@ -135,6 +159,10 @@ class Admission:
                           f"{len(msg.src_blocks)} blocks")
         if entry is None:
             return self._stage(msg, headers, mem, reject)
+        if entry.expect_from and msg.src != entry.expect_from:
+            core.count("forbidden", 1)
+            return reject("forbidden", f"{msg.request_id!r} is expected from "
+                          f"{entry.expect_from}, not from {msg.src}")
         handle: ReceiveHandle = entry.handle
         full = handle.blocks
         assert full is not None  # a reservation always has its blocks
@@ -153,6 +181,7 @@ class Admission:
             shrink(t, mem, len(full), len(handle.blocks))
             core.count("bytes_skipped", t.bytes_skipped)
             if not handle.blocks:
+                self._taken(msg.transfer_id)
                 core.complete_empty(t, handle)
                 return m.Accept(transfer_id=msg.transfer_id, dst_tag=0,
                                 dst_address=core.transport.address, dst_blocks=full.ids,
@@ -199,6 +228,7 @@ class Admission:
                accepted: list[int], skip: list[int],
                staged: dict[int, torch.Tensor] | None) -> m.ControlMessage:
         core = self.core
+        self._taken(msg.transfer_id)
         t = handle.transfer
         t.deadline_s = msg.deadline_s  # the sender's deadline holds on both sides
         core.registry.contact(msg.src)

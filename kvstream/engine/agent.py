@@ -153,8 +153,8 @@ class Agent:
     # -- the public calls: kvstream.client_api.TransferClient documents them; the Agent's
     # take the same arguments (a test checks), and expect/offer do no I/O, so are plain.
     def expect(self, request_id: str, blocks: Sequence[int], *,
-               have: Iterable[int] = ()) -> ReceiveHandle:
-        return self._admission.expect(request_id, blocks, have=have)
+               have: Iterable[int] = (), src: str | None = None) -> ReceiveHandle:
+        return self._admission.expect(request_id, blocks, have=have, src=src)
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
@@ -229,9 +229,10 @@ class Agent:
             # No running transfer by that id: an offer or a lease by request id, or already
             # over here; either way nothing of ours is in flight for it after this.
             served = core.book.offers.get(msg.request_id)
-            self._offers.on_abort(msg)
+            acted = self._offers.on_abort(msg)
             self._keeper.on_abort(msg)
-            if served is not None and served.runner is not None and not msg.transfer_id:
+            if acted and served is not None and served.runner is not None \
+                    and not msg.transfer_id:
                 with anyio.move_on_after(self.config.request_timeout_s):
                     await served.runner.quiesced.wait()
             return m.AbortAck(transfer_id=msg.transfer_id)

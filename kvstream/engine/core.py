@@ -77,12 +77,13 @@ class Core:
     def attach(self, control: ControlPort, transport: Transport, spawn: Spawn) -> None:
         self._control, self._transport, self._spawn = control, transport, spawn
         control.seal.identity, control.seal.trust = self.identity, self.trusts
+        control.seal.registry_prefix = self.subjects.registry_prefix
 
-    def trusts(self, instance_id: str, key: bytes) -> bool:
+    def trusts(self, instance_id: str, key: bytes, announced: bool) -> bool:
         """Is ``key`` that instance's? Our own id only with our own key."""
         if instance_id == self.instance_id:
             return key == self.identity.public_key
-        return self.registry.bind_key(instance_id, key)
+        return self.registry.bind_key(instance_id, key, announced)
 
     def sweep(self) -> None:
         """Drop what waits in the data plane on no live tag (late, stray or forged)."""

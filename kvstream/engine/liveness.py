@@ -16,7 +16,7 @@ import anyio
 
 from kvstream._exceptions import KVStreamError
 from kvstream.control import messages as m
-from kvstream.control.identity import SENDER
+from kvstream.control.identity import SENDER, SUBJECT
 from kvstream.engine.book import Renew
 
 if TYPE_CHECKING:
@@ -41,8 +41,10 @@ class Liveness:
 
     async def on_registry(self, msg: m.ControlUnion, headers: dict[str, str]) -> None:
         core = self.core
-        if getattr(msg, "instance_id", None) != headers.get(SENDER):
-            core.count("forbidden", 1)  # signed by another instance than it names
+        iid = getattr(msg, "instance_id", None)
+        if iid != headers.get(SENDER) or not isinstance(iid, str) or \
+                headers.get(SUBJECT) != core.subjects.registry_prefix + iid:
+            core.count("forbidden", 1)  # signed by, or sent on the subject of, another
             return None
         match msg:
             case m.Announce() if msg.instance_id != core.instance_id:

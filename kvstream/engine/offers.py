@@ -88,6 +88,9 @@ class Offers:
 
         core = self.core
         mem = core.memory
+        if msg.src != core.instance_id:
+            core.count("forbidden", 1)
+            return reject("forbidden", f"the pull is for {msg.src}, not for this instance")
         if mem is None:
             return reject("unknown_request", f"{core.instance_id} has no registered KV memory")
         try:
@@ -160,16 +163,18 @@ class Offers:
     def on_renew(self, msg: m.Renew) -> m.ControlMessage:
         unknown, lease = self.core.book.renew(msg.by, msg.request_ids, msg.secrets,
                                               self.core.clock())
-        self.core.registry.contact(msg.by)
+        if len(unknown) < len(msg.request_ids):  # only a keeper that renewed something
+            self.core.registry.contact(msg.by)
         return m.RenewAck(unknown=unknown, lease_s=lease)
 
-    def on_abort(self, msg: m.Abort) -> None:
+    def on_abort(self, msg: m.Abort) -> bool:
         """An Abort naming no running transfer, for an offer: its keeper gave it up, a pull
-        failed after it was sent, or an operator (the proxy) released it."""
+        failed after it was sent, or an operator (the proxy) released it. True if it ended
+        the offer (only then is it worth waiting for its stream)."""
         core = self.core
         entry = core.book.offers.get(msg.request_id)
         if entry is None:
-            return
+            return False
         reason = f"aborted by {msg.by}: {msg.reason}"
         if entry.kind is Kind.OFFER and msg.transfer_id in ("", entry.transfer_id):
             # Whoever holds the secret may end an offer nobody pulls yet; keepers other than
@@ -178,8 +183,11 @@ class Offers:
                 core.count("forbidden", 1)
                 log.warning("refused an abort of the offer %r by %s: no secret",
                             msg.request_id, msg.by)
-                return
+                return False
             core.end(entry, TransferState.ABORTED, reason, EndCause.PEER_ABORT,
                      tell=bool(entry.keepers - {msg.by}))
-        elif entry.kind is Kind.SERVE and not msg.transfer_id and entry.peer == msg.by:
+            return True
+        if entry.kind is Kind.SERVE and not msg.transfer_id and entry.peer == msg.by:
             core.end(entry, TransferState.ABORTED, reason, EndCause.PEER_ABORT)
+            return True
+        return False

@@ -120,6 +120,7 @@ class Puller:
             kind = REJECT_ERRORS.get(reply.code, TransferError)
             raise kind(f"{src} refused the pull of {rid!r}: {reply.reason}")
         if not isinstance(reply, m.Manifest) or reply.request_id != rid \
+                or reply.dst != core.instance_id \
                 or not reply.transfer_id or len(reply.src_blocks) != nblocks:
             raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
         check_skip(reply.skip, nblocks)
@@ -153,21 +154,21 @@ class Puller:
                 if isinstance(reply, m.Manifest) and reply.transfer_id:
                     await core.request_abort(src, reply.transfer_id, "bad pull answer")
                 raise
+            mem = core.mem()
+            t = Transfer(transfer_id=manifest.transfer_id, request_id=request_id,
+                         side=Side.RECV, peer=src, num_layers=mem.layout.num_layers,
+                         layer_bytes=0, clock=core.clock)
         except BaseException:
             wire.release_xfer_tag(dst_tag)
             raise
+        t.on_release(lambda: wire.release_xfer_tag(dst_tag))  # from here on the tag is t's
         kept_lease = core.book.leases.get((src, request_id))
         if kept_lease is not None:  # kept before or during the pull: taken over
             core.book.release_lease(kept_lease)
             kept_lease.handle._hand_over()
         core.book.note_lease(src, manifest.lease_s)
         core.registry.contact(src)
-        mem = core.mem()
         kept = blocks.without(manifest.skip)
-        t = Transfer(transfer_id=manifest.transfer_id, request_id=request_id, side=Side.RECV,
-                     peer=src, num_layers=mem.layout.num_layers, layer_bytes=0,
-                     clock=core.clock)
-        t.on_release(lambda: wire.release_xfer_tag(dst_tag))
         t.codec = manifest.codec
         telemetry.trace_transfer(t, span)
         span.set_attribute("kvstream.transfer_id", t.transfer_id)

@@ -19,7 +19,7 @@ import msgspec
 
 from kvstream._exceptions import ConfigError, ProxyError
 from kvstream.control.bus import ControlBus
-from kvstream.control.identity import SENDER, Identity
+from kvstream.control.identity import SENDER, SUBJECT, Identity
 from kvstream.control.messages import Announce, Leave
 from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
@@ -92,11 +92,15 @@ class Proxy(Legs):
             # announcements signed by the instance they name: a forged one could otherwise
             # steer prompts to an attacker's endpoint.
             keys = Registry(peer_timeout_s=cfg.peer_timeout_s)
+            subjects = Subjects(cfg.namespace)
             self._bus.seal.identity = Identity(self.proxy_id)
             self._bus.seal.trust = keys.bind_key
+            self._bus.seal.registry_prefix = subjects.registry_prefix
 
             async def on_registry(msg: Any, headers: dict[str, str]) -> None:
-                if getattr(msg, "instance_id", None) != headers.get(SENDER):
+                iid = getattr(msg, "instance_id", None)
+                if iid != headers.get(SENDER) or not isinstance(iid, str) or \
+                        headers.get(SUBJECT) != subjects.registry_prefix + iid:
                     return
                 if isinstance(msg, Announce):
                     keys.observe(msg)

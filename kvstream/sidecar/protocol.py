@@ -70,6 +70,7 @@ class Expect(LocalMessage, tag="expect", frozen=True):
     request_id: str
     blocks: list[int]
     have: list[int] = []
+    src: str | None = None  # only this instance's push may land
 
 
 class Push(LocalMessage, tag="push", frozen=True):

@@ -112,7 +112,8 @@ class _Session:
                 await self.register(msg)
             case lp.Expect():
                 try:
-                    handle = self.agent.expect(msg.request_id, msg.blocks, have=msg.have)
+                    handle = self.agent.expect(msg.request_id, msg.blocks, have=msg.have,
+                                               src=msg.src)
                 except KVStreamError as exc:
                     await self.reply_error(msg.id, exc)
                     return

@@ -171,9 +171,9 @@ def _garbage_sender(from_a: Any, to_a: Any, out: Any) -> None:
 
         async def send_big(peer: bytes, large: np.ndarray) -> None:
             nonlocal big_done
-            with anyio.fail_after(60):  # completes once A has discarded it
+            with anyio.move_on_after(1.0):  # A's sweep dequeues it unread: it never completes
                 await w.send(peer, large, rng.getrandbits(64) | 1 << 63)
-            big_done += 1
+                big_done += 1
 
         async def expect(word: str) -> None:
             assert await anyio.to_thread.run_sync(from_a.get, True, 60) == word
@@ -247,12 +247,13 @@ def test_sweep_empties_the_unexpected_queue_and_keeps_rss_flat():
     rounds, control = ra["rounds"], ra["control"]
     for r in [*rounds, control]:
         assert r["empty"], r
-        assert r["truncated"] == 3, r  # 100 KB, 1 MiB and 8 MiB, into a 64 KiB scratch
+        assert r["truncated"] == 0, r  # only messages of at most 8 KiB are received
     assert [r["swept"] for r in rounds] == [PER_ROUND] * ROUNDS
     assert [r["calls"] for r in rounds] == [2] * ROUNDS  # 1024 at most per call
     assert control["swept"] == PER_ROUND + SMALL_PER_ROUND
-    # Every send completed: the truncated receives released B's rendezvous sends.
-    assert rb["big_done"] == (ROUNDS + 1) * (len(MEDIUM_BYTES) + 1)
+    # The larger ones were dequeued unread (receiving them reads from their sender, which
+    # crashed UCX when it had died meanwhile): their sends never complete.
+    assert rb["big_done"] == 0
     # Round 1 keeps one round's segments (no 8 MB allocation for the large message) ...
     first = rounds[0]["after"] - ra["rss_start"]
     assert first <= SMALL_PER_ROUND * HELD_PER_MESSAGE + RSS_MARGIN, (first, ra)

@@ -7,7 +7,16 @@ import anyio
 import pytest
 
 from kvstream.control import messages as m
-from kvstream.control.identity import FROM, KEY, SENDER, SIG, Identity, Seal, open_sealed
+from kvstream.control.identity import (
+    FROM,
+    KEY,
+    SENDER,
+    SIG,
+    SUBJECT,
+    Identity,
+    Seal,
+    open_sealed,
+)
 from kvstream.control.memory import MemoryBus, MemoryHub
 from kvstream.control.registry import Registry
 
@@ -26,7 +35,7 @@ def test_a_signature_checks_only_for_that_subject_sender_and_payload():
     me = Identity("p")
     headers = me.seal("kvs.x.inst.d.ctl", b"payload", {"traceparent": "t"})
     assert headers["traceparent"] == "t" and headers[FROM] == "p"
-    anyone = lambda iid, key: True  # noqa: E731
+    anyone = lambda iid, key, announced: True  # noqa: E731
     assert open_sealed("kvs.x.inst.d.ctl", b"payload", headers, anyone) == "p"
     assert open_sealed("kvs.x.inst.e.ctl", b"payload", headers, anyone) is None  # redirected
     assert open_sealed("kvs.x.inst.d.ctl", b"payloaD", headers, anyone) is None  # tampered
@@ -34,7 +43,7 @@ def test_a_signature_checks_only_for_that_subject_sender_and_payload():
     assert open_sealed("kvs.x.inst.d.ctl", b"payload", {}, anyone) is None  # unsigned
     for bad in ({SIG: "!!"}, {KEY: "A" * 10_000}, {SIG: ""}, {FROM: "x" * 2000}):
         assert open_sealed("kvs.x.inst.d.ctl", b"payload", {**headers, **bad}, anyone) is None
-    assert open_sealed("kvs.x.inst.d.ctl", b"payload", headers, lambda i, k: False) is None
+    assert open_sealed("kvs.x.inst.d.ctl", b"payload", headers, lambda i, k, a: False) is None
 
 
 def test_the_first_key_of_an_id_holds_until_that_incarnation_left_or_went_silent():
@@ -53,10 +62,41 @@ def test_the_first_key_of_an_id_holds_until_that_incarnation_left_or_went_silent
     assert reg.bind_key("p", old)
 
 
+def test_an_announced_key_beats_a_squatter_and_a_tentative_key_never_replaces_it():
+    """A key first seen off the registry (a squatter spamming requests under an id that has
+    not announced yet) is only tentative: the real instance's announcement, on its own
+    registry subject (which NATS permissions keep for it), takes the id at once; after
+    that no key seen elsewhere replaces it, dead or alive, only a later announcement of a
+    restart once the old incarnation left or went silent."""
+    clock = Clock()
+    reg = Registry(peer_timeout_s=1.0, clock=clock)
+    squat, real, restart = (Identity("p").public_key for _ in range(3))
+    assert reg.bind_key("p", squat)  # tentative
+    assert reg.bind_key("p", real, announced=True)  # the real one takes it at once
+    assert not reg.bind_key("p", squat) and not reg.bind_key("p", restart, announced=True)
+    clock.now = 5.0  # the real one is silent: still no takeover from off the registry
+    assert not reg.bind_key("p", squat)
+    assert reg.bind_key("p", restart, announced=True)  # a restart announces itself
+    assert reg.bind_key("p", restart)
+
+
+def test_open_sealed_says_whether_the_key_was_announced():
+    me = Identity("p")
+    seen: list[bool] = []
+
+    def trust(iid, key, announced):
+        seen.append(announced)
+        return True
+
+    for subject in ("kvs.n.registry.p", "kvs.n.registry.q", "kvs.n.inst.p.ctl"):
+        assert open_sealed(subject, b"x", me.seal(subject, b"x"), trust, "kvs.n.registry.")
+    assert seen == [True, False, False]
+
+
 def test_a_seal_counts_what_it_refuses_and_hands_the_checked_sender():
     reg = Registry(peer_timeout_s=1.0)
     seal = Seal()
-    assert seal.incoming("s", b"x", {SENDER: "forged"}) == {}  # off: passes, never SENDER
+    assert seal.incoming("s", b"x", {SENDER: "forged"}) == {SUBJECT: "s"}  # off: no SENDER
     seal.trust = reg.bind_key
     signed = Identity("p").seal("s", b"x")
     assert seal.incoming("s", b"x", signed)[SENDER] == "p"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import typing
@@ -13,6 +14,7 @@ import pytest
 from kvstream._exceptions import ControlPlaneError, NoPeerError
 from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
+from kvstream.control.identity import SUBJECT
 from kvstream.control.memory import MemoryBus, MemoryHub, _matches
 from kvstream.control.port import ControlPort
 from kvstream.control.subjects import Subjects
@@ -88,7 +90,8 @@ async def test_registry_wildcard_and_control_subjects_deliver_decoded_copies():
         await b.publish("other.registry.b", _done(3))
         await anyio.sleep(0.01)
     (msg, headers), = got["reg"]
-    assert msg == leave and msg is not leave and headers == {"traceparent": "x"}
+    assert msg == leave and msg is not leave
+    assert headers == {"traceparent": "x", SUBJECT: S.registry("b")}  # the subject it came on
     assert [x for x, _ in got["ctl"]] == [_done(1)]
     assert len(got["all"]) == 3  # b's own subscription hears b's messages (NATS echo)
 
@@ -187,7 +190,9 @@ async def test_order_is_kept_and_a_slow_handler_never_holds_the_publisher():
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("spawned", [True, False])
-async def test_spawn_handles_each_message_in_its_own_task(spawned):
+async def test_spawn_handles_each_request_in_its_own_task(spawned):
+    """With ``spawn`` each request gets its own task (a slow one holds up no other); a
+    publish is handled inline either way (its handler never waits)."""
     release = anyio.Event()
     handled: list[int] = []
 
@@ -195,13 +200,14 @@ async def test_spawn_handles_each_message_in_its_own_task(spawned):
         if msg.bytes == 0:
             await release.wait()
         handled.append(msg.bytes)
-        return None
+        return m.AbortAck(transfer_id="ok")
 
     async with MemoryHub() as hub, anyio.create_task_group() as tg:
         b = MemoryBus(hub, "b")
         await b.serve(S.control("b"), handler, spawn=tg.start_soon if spawned else None)
         for i in range(3):
-            await b.publish(S.control("b"), _done(i))
+            tg.start_soon(functools.partial(b.request, S.control("b"), _done(i), timeout=2.0))
+            await anyio.sleep(0.005)
         await anyio.sleep(0.02)
         assert handled == ([1, 2] if spawned else [])
         release.set()

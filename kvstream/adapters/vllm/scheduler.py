@@ -35,7 +35,8 @@ class SchedulerSide(Side):
         """(source instance, its request id, the offer's secret) of complete prefill params,
         else None."""
         if any(params.get(k) is None for k in REQUIRED):
-            log.warning("incomplete kv_transfer_params (need %s): %s", ", ".join(REQUIRED), params)
+            shown = {k: v for k, v in params.items() if k != "kvstream"}  # it holds the secret
+            log.warning("incomplete kv_transfer_params (need %s): %s", ", ".join(REQUIRED), shown)
             return None
         ours = params.get("kvstream")
         if isinstance(ours, dict) and ours.get("block_size", self._block_size) != self._block_size:
