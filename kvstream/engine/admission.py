@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import CapacityError, ConfigError, InvalidBlockError, ProtocolError
+from kvstream._exceptions import CapacityError, InvalidBlockError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.recv import RecvStream
 from kvstream.dataplane.stream import single_message_for
 from kvstream.engine.book import Kind
-from kvstream.engine.rules import layout_mismatch, shrink, without
+from kvstream.engine.rules import layout_mismatch, peer_refusal, shrink, without
 from kvstream.memory import is_run
 from kvstream.prefix import skipped_indices
 from kvstream.quant.scheme import wire_layer_bytes
@@ -139,18 +139,11 @@ class Admission:
         if entry is not None and entry.kind is not Kind.RESERVATION:
             return reject("duplicate", f"request {msg.request_id!r} already has a "
                           f"{'staged ' if entry.kind is Kind.STAGED else ''}push")
-        try:
-            Subjects.check_instance_id(msg.src)
-        except ConfigError as exc:
-            return reject("malformed", str(exc))
-        try:
-            core.transport.check_address(msg.src_address)
-        except ProtocolError as exc:
-            return reject("malformed", f"the manifest's worker address: {exc}")
-        if not core.registry.address_ok(msg.src, msg.src_address):
-            core.count("forbidden", 1)
-            return reject("forbidden", f"the manifest names another worker address than the "
-                          f"one {msg.src} announces")
+        refused = peer_refusal(msg.src, msg.src_address, core.registry, core.transport,
+                               "manifest")
+        if refused is not None:
+            core.count("forbidden", int(refused[0] == "forbidden"))
+            return reject(*refused)
         if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
             return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
                           f"in {mem.num_blocks} registered blocks")

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError, ProtocolError
+from kvstream._exceptions import ConfigError
 from kvstream.control import messages as m
-from kvstream.control.subjects import Subjects
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.book import Kind, secret_matches
 from kvstream.engine.rules import (
@@ -26,6 +25,7 @@ from kvstream.engine.rules import (
     check_hashes,
     check_mode,
     layout_mismatch,
+    peer_refusal,
     shrink,
     without,
 )
@@ -101,18 +101,10 @@ class Offers:
         theirs = msg.fingerprint if codec == "none" else msg.wire_fingerprint
         if (why := layout_mismatch(mem, theirs, msg.num_layers, codec)) is not None:
             return reject("incompatible", why)
-        try:
-            Subjects.check_instance_id(msg.dst)
-        except ConfigError as exc:
-            return reject("malformed", str(exc))
-        try:
-            core.transport.check_address(msg.dst_address)
-        except ProtocolError as exc:
-            return reject("malformed", f"the pull's worker address: {exc}")
-        if not core.registry.address_ok(msg.dst, msg.dst_address):
-            core.count("forbidden", 1)
-            return reject("forbidden", f"the pull names another worker address than the one "
-                          f"{msg.dst} announces")
+        refused = peer_refusal(msg.dst, msg.dst_address, core.registry, core.transport, "pull")
+        if refused is not None:
+            core.count("forbidden", int(refused[0] == "forbidden"))
+            return reject(*refused)
         entry = core.book.offers.get(msg.request_id)
         if entry is None or entry.kind is not Kind.OFFER:
             return reject("unknown_request", f"{core.instance_id} holds no KV for "

@@ -14,9 +14,12 @@ from kvstream._exceptions import (
     ProtocolError,
 )
 from kvstream.control import messages as m
+from kvstream.control.subjects import Subjects
 from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint, wire_layer_bytes
 
 if TYPE_CHECKING:
+    from kvstream.control.registry import Registry
+    from kvstream.dataplane.transport import Transport
     from kvstream.memory import RegisteredKV
     from kvstream.transfer.state import Transfer
 
@@ -29,6 +32,7 @@ __all__ = [
     "check_skip",
     "claimed_sender",
     "layout_mismatch",
+    "peer_refusal",
     "shrink",
     "without",
 ]
@@ -44,6 +48,24 @@ REJECT_ERRORS: Final[dict[str, type[KVStreamError]]] = {
     "forbidden": ForbiddenError,
     "unauthenticated": ForbiddenError,
 }
+
+
+def peer_refusal(peer: str, address: bytes, registry: Registry, transport: Transport,
+                 what: str) -> tuple[m.RejectCode, str] | None:
+    """Why a manifest or pull naming ``peer`` at ``address`` is refused, if it is: a bad
+    id or a malformed worker address (before UCX sees it), or not the address ``peer``
+    announces."""
+    try:
+        Subjects.check_instance_id(peer)
+    except ConfigError as exc:
+        return "malformed", str(exc)
+    try:
+        transport.check_address(address)
+    except ProtocolError as exc:
+        return "malformed", f"the {what}'s worker address: {exc}"
+    if not registry.address_ok(peer, address):
+        return "forbidden", f"the {what} names another worker address than {peer} announces"
+    return None
 
 
 def claimed_sender(msg: object) -> str | None:
