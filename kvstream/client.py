@@ -213,8 +213,7 @@ class _LocalClient:
                                      trace_context=trace_context, secret=secret)
 
     async def statistics(self) -> dict[str, int]:
-        s = self.agent.statistics()
-        return {f: getattr(s, f) for f in s.__struct_fields__ if isinstance(getattr(s, f), int)}
+        return self.agent.statistics().counts()
 
 
 class _SidecarClient:

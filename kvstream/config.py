@@ -12,10 +12,12 @@ from kvstream._exceptions import ConfigError
 from kvstream.control.auth import NatsAuth
 from kvstream.control.subjects import Subjects
 
-__all__ = ["PROGRESS_MODES", "AgentConfig", "check_endpoint", "check_timeout"]
+__all__ = ["PATHS", "PROGRESS_MODES", "AgentConfig", "check_endpoint", "check_timeout"]
 
 # How the UCX worker makes progress (dataplane/ucx.py says why "thread" is the default).
 PROGRESS_MODES: Final = ("thread", "blocking", "polling")
+# Data-plane paths (dataplane/paths.py says what each is).
+PATHS: Final = ("shm", "cuda_ipc", "tcp", "ucx")
 
 MiB = 1 << 20
 
@@ -82,6 +84,17 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # HTTP base URL of the engine's OpenAI server (e.g. "http://10.0.0.5:8100"), announced
     # so that ``kvstream proxy`` can route requests here; "" = not routable by the proxy.
     endpoint: str = ""
+    # Data-plane paths this agent uses, in the destination's order of preference
+    # (dataplane/paths.py): "shm" and "cuda_ipc" between processes of one host (one copy),
+    # "tcp" between hosts without RDMA (kvstream's socket streams), "ucx" always.
+    paths: tuple[str, ...] = ("shm", "cuda_ipc", "tcp", "ucx")
+    # Where the TCP data path listens, "host:port" ("" = every interface, a free port, and
+    # the address that reaches NATS advertised); "off" = no TCP data path.
+    tcp_listen: str = ""
+    tcp_lanes: int = 4  # connections per peer
+    # This host's identity for same-host paths ("" = the boot id and PID namespace); set
+    # one per instance to make peers on one machine act as if on two.
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         Subjects.check_instance_id(self.instance_id)
@@ -100,5 +113,14 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         for codec in (self.codec, *self.accept_codecs):
             check_codec(codec)
         check_endpoint(self.endpoint)
+        if "ucx" not in self.paths or set(self.paths) - set(PATHS):
+            raise ConfigError(f"paths must be taken from {PATHS} and include 'ucx'")
+        if self.tcp_listen not in ("", "off"):
+            host, sep, port = self.tcp_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise ConfigError(f"tcp_listen must be 'host:port', '' or 'off', "
+                                  f"got {self.tcp_listen!r}")
+        if not 1 <= self.tcp_lanes <= 64:
+            raise ConfigError("tcp_lanes must be between 1 and 64")
         if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
             raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")

@@ -195,6 +195,22 @@ class RegisteredKV:
         for p in range(self.planes):
             dst[p].index_copy_(0, blocks.index, src[p])
 
+    def rows(self, layer: int, blocks: BlockMap) -> list[Any]:
+        """The layer's blocks in wire order as uncopied numpy views, consecutive blocks
+        merged into one view (what a vectored send reads, or a vectored receive fills)."""
+        out: list[Any] = []
+        ids = blocks.ids
+        for p in range(self.planes):
+            plane = self._planes[layer][p].numpy()
+            start = prev = ids[0]
+            for b in ids[1:]:
+                if b != prev + 1:
+                    out.append(plane[start:prev + 1])
+                    start = b
+                prev = b
+            out.append(plane[start:prev + 1])
+        return out
+
     def read_block(self, layer: int, block: int) -> torch.Tensor:
         """One block's bytes in wire order (tests and verification)."""
         import torch

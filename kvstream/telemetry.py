@@ -65,6 +65,9 @@ class _Outcome(Protocol):
     def codec(self) -> str: ...
 
     @property
+    def path(self) -> str: ...
+
+    @property
     def seconds(self) -> float: ...
 
     @property
@@ -246,7 +249,7 @@ def transfer_ended(t: Transfer) -> None:
 
 def _record_end(t: Transfer) -> None:
     r = t.result()
-    attrs = {"kvstream.side": r.side, "kvstream.codec": r.codec}
+    attrs = {"kvstream.side": r.side, "kvstream.codec": r.codec, "kvstream.path": r.path}
     if t.streamed or r.ok:  # an idle offer or reservation says nothing about latency
         _duration.record(r.seconds, {**attrs, "kvstream.status": r.status})
     _ended.add(1, {**attrs, "kvstream.status": r.status,
@@ -269,7 +272,8 @@ def _end_span(t: Transfer, span: Span) -> None:
                          "kvstream.side": r.side, "kvstream.bytes": r.bytes,
                          "kvstream.bytes_skipped": r.bytes_skipped,
                          "kvstream.layers_done": r.layers, "kvstream.layers": t.num_layers,
-                         "kvstream.codec": r.codec, "kvstream.status": r.status})
+                         "kvstream.codec": r.codec, "kvstream.status": r.status,
+                         "kvstream.path": r.path})
     if r.ok:
         span.set_status(Status(StatusCode.OK))
     else:

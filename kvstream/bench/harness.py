@@ -41,6 +41,7 @@ class KVRun(msgspec.Struct, kw_only=True):
     wait_layer_us: list[float] = []
     wire_bytes: int = 0
     codec: str = "none"
+    path: str = ""
 
 
 def _check_nats(url: str) -> None:
@@ -217,7 +218,8 @@ class Harness:
                      exposed_ms=exposed * 1e3, verified=d.verified,
                      status=d.status if d.status != "completed" else p.status,
                      reason=d.reason or p.reason, layer_ready_us=p.overhead_us,
-                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes, codec=d.codec)
+                     wait_layer_us=d.overhead_us, wire_bytes=d.wire_bytes, codec=d.codec,
+                     path=d.path)
 
     def run_raw(self, *, wire: bool = False) -> float:
         self._run += 1

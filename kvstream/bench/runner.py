@@ -33,6 +33,7 @@ class ModeResult(msgspec.Struct, kw_only=True):
     verified: bool
     wire_bytes: int  # per transfer, as the destination counted them
     runs_gbps: list[float]
+    path: str = ""  # the data-plane path its transfers took
 
 
 class CodecResult(msgspec.Struct, kw_only=True):
@@ -101,6 +102,7 @@ class BenchResult(msgspec.Struct, kw_only=True):
     codecs: dict[str, CodecResult] = {}
     codec_speed: dict[str, CodecSpeed] = {}  # per codec of --codec
     transport: str = ""
+    path: str = ""  # the data-plane path(s) the first mode's transfers took
     accuracy: list[Any] = []  # --accuracy: quant.accuracy.AccuracyReport per data source
     # --tracing: the same transfers with an SDK exporting every span to a file, same run.
     tracing_gbps: float | None = None
@@ -326,7 +328,8 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
             verified=all(r.verified and r.status == "completed"
                          for r in (*runs[m], *exposure.get(m, []))),
             wire_bytes=max(r.wire_bytes for r in runs[m]),
-            runs_gbps=[round(r.gbps, 3) for r in runs[m]]) for m in (modes or [])},
+            runs_gbps=[round(r.gbps, 3) for r in runs[m]],
+            path=",".join(sorted({r.path for r in runs[m]}))) for m in (modes or [])},
         prefix_hit=spec.prefix_hit,
         wire_bytes=best_run.wire_bytes,
         effective_gbps=round(spec.payload_bytes / best_run.seconds / 1e9, 3),
@@ -334,6 +337,7 @@ def run_bench(spec: BenchSpec, *, repeat: int = 3, layer_compute_ms: float | Non
         if codecs else {},
         codec_speed={c: codec_speed(spec, c) for c in extra_codecs},
         transport=spec.transport,
+        path=",".join(sorted({r.path for r in first})),
         tracing_gbps=round(best_traced, 3) if tracing else None,
         tracing_ratio=round(best_traced / best_kv, 3) if tracing else None,
         tracing_runs_gbps=[round(r.gbps, 3) for r in traced_runs],

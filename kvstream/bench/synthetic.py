@@ -35,6 +35,11 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     data: str = "pattern"  # "pattern" (bit-exact check) or "kv" (values; codec runs)
     transport: str = ""  # UCX_TLS of the benchmark processes ("tcp": a slow link)
     trace_dir: str = ""  # tracing on: each process writes its spans to <dir>/<role>.jsonl
+    # The data-plane path the agents may take ("": any, as a deployment's would; "shm",
+    # "tcp" or "ucx": that one, UCX as the fallback); host KV is in shared memory either way.
+    path: str = ""
+    host_ids: bool = False  # each side its own host id: same-host paths off (two "hosts")
+    decode_netns: str = ""  # run the decode process in this network namespace (bench/netns.py)
 
     @property
     def block_hashes(self) -> list[int]:
@@ -75,12 +80,20 @@ def fill_layer(t: torch.Tensor, layer: int, data: str = "pattern", seed: int = 0
     torch.arange(layer * n, (layer + 1) * n, dtype=torch.int64, out=flat)
 
 
-def make_cache(spec: BenchSpec, *, fill: bool) -> list[torch.Tensor]:
+def make_cache(spec: BenchSpec, *, fill: bool, shared: bool = False) -> list[torch.Tensor]:
+    """The cache of one side; ``shared``: in sealed shared memory (``SharedKV``), as an
+    engine allocates host KV that same-host peers may read in one copy."""
     import torch
 
     lay = spec.layout
-    shape = lay.tensor_shape(spec.num_cache_blocks)
-    layers = [torch.empty(shape, dtype=getattr(torch, lay.dtype)) for _ in range(lay.num_layers)]
+    if shared:
+        from kvstream.shm import SharedKV
+
+        layers = SharedKV.create(lay, spec.num_cache_blocks).layers
+    else:
+        shape = lay.tensor_shape(spec.num_cache_blocks)
+        layers = [torch.empty(shape, dtype=getattr(torch, lay.dtype))
+                  for _ in range(lay.num_layers)]
     for i, t in enumerate(layers):
         if fill:
             fill_layer(t, i, spec.data, spec.seed)

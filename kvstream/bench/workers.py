@@ -56,14 +56,18 @@ class Event(msgspec.Struct, kw_only=True):
     waited_s: float = 0.0  # lazy pull: time the decode forward stalled on KV
     wire_bytes: int = 0  # bytes this transfer received over the wire
     codec: str = "none"  # the codec the transfer was negotiated with
+    path: str = ""  # the data-plane path it took (dataplane/paths.py)
 
 
 def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
     from kvstream.config import AgentConfig
 
+    paths = ("shm", "cuda_ipc", "tcp", "ucx") if not spec.path else \
+        tuple(dict.fromkeys((spec.path, "ucx")))
     return AgentConfig(instance_id=instance_id, role=role, nats_url=nats_url,  # type: ignore[arg-type]
                        transfer_timeout_s=120.0, progress_mode=spec.progress_mode,
-                       namespace=spec.namespace)
+                       namespace=spec.namespace, paths=paths,
+                       host_id=f"bench-host-{role}" if spec.host_ids else "")
 
 
 async def _commands(cmd_q: Any) -> AsyncIterator[Cmd]:
@@ -197,7 +201,7 @@ async def _open_side(spec: BenchSpec, role: str, target: str) -> AsyncIterator[_
         return
     from kvstream.engine.agent import Agent
 
-    cache = make_cache(spec, fill=role == "prefill")
+    cache = make_cache(spec, fill=role == "prefill", shared=True)
     async with Agent(_config(f"bench-{role}", target, role, spec), layout=spec.layout,
                      kv_caches=cache) as agent:
         yield _Side(Client.local(agent), agent.memory, agent, agent.worker_address)
@@ -230,6 +234,10 @@ def _us_since(t: int) -> float:
 
 def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
     spec = msgspec.msgpack.decode(spec_bytes, type=BenchSpec)
+    if spec.decode_netns:  # "another host": before UCX, NATS or any thread starts
+        from kvstream.bench.netns import enter
+
+        enter(spec.decode_netns)
     _use_transport(spec)
 
     async def handle_cmd(side: _Side, cmd: Cmd) -> Event:
@@ -289,7 +297,7 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
         return Event(kind="done", run=cmd.run, t=result.ended_at, t0=t0, status=result.status,
                      reason=result.reason, verified=verified, stats=stats, overhead_us=wait_us,
                      waited_s=waited, wire_bytes=stats["bytes_received"] - before,
-                     codec=result.codec)
+                     codec=result.codec, path=result.path)
 
     with _tracing(spec, "decode"):
         anyio.run(_serve, spec, target, "decode", cmd_q, evt_q, handle_cmd)

@@ -17,6 +17,11 @@ History:
       data-plane tag prefixes random and 48 bits wide (dataplane/wire.py); an offer's
       secret in ``Pull.secret``, ``Renew.secrets`` and ``Abort.secret``; reject codes
       "unauthenticated" and "forbidden". Version 1 peers are refused (they do not sign).
+      Then, compatibly: the data-plane path of a transfer (issue 17) chosen by the
+      destination (``Accept.path``, ``Pull.path``, echoed in the pull's ``Manifest.path``;
+      "ucx" from older peers) and what each side needs for it: a host identity, a TCP
+      data address, shared KV segments (``host``, ``tcp``, ``shared`` in ``Announce``;
+      ``src_*`` in ``Manifest``, ``dst_*`` in ``Pull`` and ``Accept``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import msgspec
 
 from kvstream._exceptions import MessageDecodeError
 from kvstream.layout import KVLayout
+from kvstream.shm import SharedExport
 
 __all__ = [
     "MIN_PROTOCOL_VERSION",
@@ -82,6 +88,11 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=1e7)]
 Load = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 Scales = Annotated[list[float], msgspec.Meta(max_length=2 * MAX_LAYERS)]
 Ids = Annotated[list[Id], msgspec.Meta(max_length=1 << 16)]
+# The data-plane path of one transfer (dataplane/paths.py): UCX, kvstream's TCP streams,
+# a same-host read of the source's shared KV, CUDA IPC.
+DataPath = Literal["ucx", "tcp", "shm", "cuda_ipc"]
+HostId = Annotated[str, msgspec.Meta(max_length=256)]
+TcpAddress = Annotated[bytes, msgspec.Meta(max_length=256)]
 
 
 class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
@@ -106,6 +117,11 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # Peers whose UCX endpoint this instance aborted (held dead), with a count that grows
     # each time: a peer that finds itself here with a higher count drops its endpoint too.
     forgot: Annotated[dict[Id, Count], msgspec.Meta(max_length=64)] = {}
+    # What other data-plane paths need (issue 17): which host (same host: shared memory,
+    # CUDA IPC), the TCP data address, the registered KV's shared segments.
+    host: HostId = ""
+    tcp: TcpAddress = b""
+    shared: SharedExport | None = None
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
@@ -144,6 +160,15 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     # An engine's own FP8 cache moves verbatim (codec "none") with its per-layer K/V
     # scales; the destination refuses it unless its own scales are the same.
     cache_scales: Scales = []
+    # The path of a pull (the puller chose it); a push's destination answers in Accept.
+    path: DataPath = "ucx"
+    src_host: HostId = ""
+    src_tcp: TcpAddress = b""
+    src_shared: SharedExport | None = None
+    # The secrets in the trailers of src_shared's segments: told only to this destination,
+    # they prove the sender holds the memory it names (shm.py).
+    src_secrets: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=64)]],
+                           msgspec.Meta(max_length=64)] = []
 
 
 class Accept(ControlMessage, tag="kv.accept", frozen=True):
@@ -155,6 +180,8 @@ class Accept(ControlMessage, tag="kv.accept", frozen=True):
     dst_blocks: BlockIds
     # Indices into the manifest's blocks the destination already holds: not sent.
     skip: BlockIds = []
+    path: DataPath = "ucx"
+    dst_tcp: TcpAddress = b""
 
 
 class Pull(ControlMessage, tag="kv.pull", frozen=True):
@@ -180,6 +207,9 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     wire_fingerprint: Text = ""
     # The offer's secret, as the source handed it out (``SendHandle.secret``).
     secret: Secret = ""
+    path: DataPath = "ucx"
+    dst_host: HostId = ""
+    dst_tcp: TcpAddress = b""
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):

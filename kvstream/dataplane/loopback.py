@@ -129,6 +129,8 @@ class LoopbackFabric:
 class LoopbackTransport:
     """One agent's worker on a ``LoopbackFabric``; a ``Transport`` like ``UcxWorker``."""
 
+    vectored = False
+
     def __init__(self, fabric: LoopbackFabric) -> None:
         self.fabric = fabric
         self.forgotten = 0  # forget_peer calls

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
     from opentelemetry.trace import Span
 
+    from kvstream.dataplane.peermem import MappedSource
     from kvstream.dataplane.transport import PostedReceive
     from kvstream.memory import BlockMap
     from kvstream.transfer.handles import ReceiveHandle
@@ -44,8 +45,12 @@ class RecvStream(Stream):
 
     def __init__(self, env: StreamEnv, handle: ReceiveHandle, *, peer_address: bytes,
                  src_tag: int, dst_tag: int, src_contiguous: bool, nblocks: int,
-                 staged_slots: dict[int, torch.Tensor] | None = None) -> None:
+                 staged_slots: dict[int, torch.Tensor] | None = None,
+                 source: MappedSource | None = None, path: str = "ucx") -> None:
         super().__init__(env, handle.transfer, peer_address)
+        # Same host, one copy: the sender sends per-layer headers only and each layer is
+        # read straight out of its mapped memory into ours (``dataplane.peermem``).
+        self.source = source
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
@@ -54,7 +59,10 @@ class RecvStream(Stream):
         self.codec = make_codec(env.memory, t.codec)
         self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, nblocks)
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
-        self.single = single_message_for(env.memory, src_contiguous, dst_run, t.codec)
+        self.single = source is None and \
+            single_message_for(env.memory, src_contiguous, dst_run, t.codec, path)
+        # A byte-stream transport fills the reserved blocks where they lie: no scatter.
+        self.vectored = self.single and env.transport.vectored
         self._posted: dict[int, list[PostedReceive]] = {}
         self._posted_ns: dict[int, int] = {}  # when each layer's receive was posted (traces)
         self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
@@ -63,8 +71,11 @@ class RecvStream(Stream):
         self.received = 0
         self._done_sent = False
         self._lands: anyio.abc.TaskGroup | None = None
+        self._dst_off: np.ndarray | None = None
         self._released = False
-        self.quiesced.set()  # the receiver sends no data; only credits
+        if source is None:
+            self.quiesced.set()  # the receiver sends no data; only credits
+        # else set once no copy reads the source's memory any more (_finish)
 
     @property
     def all_received(self) -> bool:
@@ -74,13 +85,22 @@ class RecvStream(Stream):
         """Post this layer's receives now; returns the buffer its header will land in."""
         mem, blocks, transport = self.env.memory, self.handle.blocks, self.env.transport
         self._posted_ns[layer] = time.time_ns()
+        if self.single and slot is None:  # vectored, into the reserved blocks
+            assert blocks is not None
+            hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+            self._posted[layer] = [transport.post_recv(
+                [hdr, *mem.rows(layer, blocks)],
+                wire.make_tag(self.dst_tag, layer, wire.KIND_DATA))]
+            return hdr
         if self.single:
-            assert slot is not None  # single framing always stages
+            assert slot is not None
             self._posted[layer] = [transport.post_recv(slot, wire.make_tag(self.dst_tag, layer,
                                                                         wire.KIND_DATA))]
             return slot[:wire.HEADER_CAPACITY].numpy()
         hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
-        if slot is None:
+        if self.source is not None:
+            targets = []  # the bytes are read, not received
+        elif slot is None:
             assert blocks is not None  # only a reserved, contiguous destination is direct
             targets = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
         elif self.codec is not None:
@@ -112,6 +132,22 @@ class RecvStream(Stream):
             self._outcome = self._outcome or (TransferState.COMPLETED, "", None)
             self._loop_scope.cancel()
 
+    async def _read_layer(self, layer: int) -> None:
+        """Same host: copy the layer out of the peer's mapped memory, into the reserved
+        blocks, or into its staging slot when there is no reservation yet."""
+        src, mem, h = self.source, self.env.memory, self.handle
+        assert src is not None
+        if h.blocks is not None and layer not in self._slots:
+            tensor = mem.layers[layer]
+            if self._dst_off is None:
+                self._dst_off = src.dst_offsets(mem.num_blocks, h.blocks.ids)
+            dst_off = self._dst_off
+        else:
+            tensor = self._slots[layer]
+            dst_off = src.dst_offsets(self.nblocks, None)
+        await run_copy(src.copy_layer, layer, tensor.data_ptr(),
+                       tensor.numel() * tensor.element_size(), dst_off)
+
     async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
         span: Span | None = None
@@ -129,6 +165,8 @@ class RecvStream(Stream):
                     f"{header.nbytes} bytes codec {header.codec}; expected {self.dst_tag:#x}, "
                     f"{layer}, {want}, {h.transfer.codec}")
             del self._posted[layer]
+            if self.source is not None:
+                await self._read_layer(layer)
             span = telemetry.layer_span(
                 h.transfer, "kvstream.layer.receive", layer, start_ns=self._posted_ns.get(layer),
                 links=telemetry.link_from(header.traceparent), bytes=want,
@@ -180,8 +218,8 @@ class RecvStream(Stream):
     async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
         env, h, t = self.env, self.handle, self.handle.transfer
         self._lands = lands
-        direct = not self.prestaged and h.blocks is not None and \
-            h.blocks.contiguous_start is not None and self.codec is None
+        direct = not self.prestaged and h.blocks is not None and self.codec is None and \
+            (h.blocks.contiguous_start is not None or self.source is not None or self.vectored)
         window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
@@ -277,6 +315,7 @@ class RecvStream(Stream):
                 env.staging.quarantine(slot)
         self._slots.clear()
         self._staged.clear()
+        self.quiesced.set()  # every copy out of the peer's memory has returned
         if self._end() and t.state is TransferState.COMPLETED and not self._done_sent:
             await env.publish_done(self.peer, t.result())
         self.quiesced.set()

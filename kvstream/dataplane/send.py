@@ -37,16 +37,23 @@ log = logging.getLogger("kvstream.transfer")
 class SendStream(Stream):
     io_cancel_is_safe = False
     def __init__(self, env: StreamEnv, handle: SendHandle, *, peer_address: bytes,
-                 src_tag: int, dst_tag: int, dst_contiguous: bool) -> None:
+                 src_tag: int, dst_tag: int, dst_contiguous: bool, mapped: bool = False,
+                 path: str = "ucx") -> None:
         super().__init__(env, handle.transfer, peer_address)
+        # Same host, one copy: the destination reads each layer out of our memory once
+        # told it is ready (a header, no payload); our blocks stay put until its Done.
+        self.mapped = mapped
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
         t = handle.transfer
         self.codec = make_codec(env.memory, t.codec)
         self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, len(handle.blocks))
-        self.single = single_message_for(env.memory, handle.blocks.contiguous_start is not None,
-                                         dst_contiguous, t.codec)
+        self.single = not mapped and single_message_for(
+            env.memory, handle.blocks.contiguous_start is not None, dst_contiguous, t.codec,
+            path)
+        # A byte-stream transport sends the blocks where they lie: no gather.
+        self.vectored = self.single and env.transport.vectored
         self.granted = 0
         self._credit_changed = anyio.Event()
         self._credit_recv: PostedReceive | None = None
@@ -98,12 +105,17 @@ class SendStream(Stream):
         env, t = self.env, self.handle.transfer
         try:
             nbytes = self.layer_bytes
-            header = wire.LayerHeader(self.dst_tag, layer, nbytes, len(parts), codec=t.codec,
+            header = wire.LayerHeader(self.dst_tag, layer, nbytes,
+                                      1 if self.vectored else len(parts), codec=t.codec,
                                       traceparent=telemetry.traceparent_of(span))
-            if self.single:
-                assert slot is not None  # single framing always stages
+            if self.vectored:
+                hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
+                wire.encode_header(header, hdr.data)
+                messages: list[tuple[Any, int]] = [([hdr, *parts], wire.KIND_DATA)]
+            elif self.single:
+                assert slot is not None  # single framing stages, unless vectored
                 wire.encode_header(header, slot[:wire.HEADER_CAPACITY].numpy().data)
-                messages: list[tuple[Any, int]] = [(slot, wire.KIND_DATA)]
+                messages = [(slot, wire.KIND_DATA)]
             else:
                 hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
                 used = wire.encode_header(header, hdr.data)
@@ -136,7 +148,7 @@ class SendStream(Stream):
         env, h, t = self.env, self.handle, self.handle.transfer
         mem, blocks = env.memory, h.blocks
         limiter = anyio.Semaphore(env.config.max_inflight_layers)
-        direct = blocks.contiguous_start is not None and self.codec is None
+        direct = (blocks.contiguous_start is not None or self.mapped) and self.codec is None
         prefix = wire.HEADER_CAPACITY if self.single else 0
         for layer in range(t.num_layers):
             await h.until_sendable(layer)
@@ -147,7 +159,11 @@ class SendStream(Stream):
             span = telemetry.layer_span(t, "kvstream.layer.send", layer, bytes=self.layer_bytes,
                                         blocks=len(blocks), codec=t.codec)
             try:
-                if direct:
+                if self.mapped:
+                    parts = []  # the peer reads them
+                elif self.vectored:
+                    parts = mem.rows(layer, blocks)
+                elif direct:
                     runs = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
                     parts = [run for run in runs if run is not None]  # all: the run is direct
                 else:

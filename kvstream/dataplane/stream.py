@@ -62,7 +62,7 @@ class StreamEnv:
 
 
 def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
-                       codec: str = "none") -> bool:
+                       codec: str = "none", path: str = "ucx") -> bool:
     """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
     as one message ``[header | payload]`` out of one staging buffer into another (one
     rendezvous instead of one per plane plus a header); otherwise as a header message plus
@@ -71,6 +71,8 @@ def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguou
     each end's device, so a CPU end and a GPU end frame alike."""
     if codec != "none":
         return False
+    if path == "tcp":  # a byte stream: each end splits its [header | payload] as it likes
+        return memory.device.type == "cpu"
     return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
 
 

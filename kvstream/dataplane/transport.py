@@ -29,6 +29,10 @@ class PostedReceive(Protocol):
 class Transport(Protocol):
     """The tagged-message surface of ``UcxWorker`` that streams use."""
 
+    # True if ``send`` and ``post_recv`` also take a list of buffers, sent or filled in
+    # order as one message (TCP's sendmsg / recvmsg_into): no gather, no scatter.
+    vectored: bool
+
     @property
     def address(self) -> bytes:
         """This worker's address, as peers pass it to ``send``."""

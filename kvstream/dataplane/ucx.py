@@ -112,6 +112,8 @@ def _unified_mode() -> bool:
 class UcxWorker:
     """Handle on the process's UCX worker; ``open`` inside the running event loop."""
 
+    vectored = False  # UCX's own IOV paths measured slower than our gather (architecture.md)
+
     def __init__(self) -> None:
         self._open = False
         self.dropped_unread = 0  # swept messages too large to receive, dequeued unread

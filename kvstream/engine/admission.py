@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from kvstream.engine.book import Entry
     from kvstream.engine.core import Core
+    from kvstream.engine.paths import Choice
     from kvstream.memory import RegisteredKV
 
     Reject = Callable[[m.RejectCode, str], m.Reject]
@@ -133,25 +134,41 @@ class Admission:
         if (why := layout_mismatch(mem, msg.fingerprint, msg.num_layers, msg.codec,
                                        msg.cache_scales)) is not None:
             return reject("incompatible", why)
+        refused = peer_refusal(msg.src, msg.src_address, core.registry, core.transport,
+                               "manifest")
+        if refused is not None:
+            core.count("forbidden", int(refused[0] == "forbidden"))
+            return reject(*refused)
+        # Before the book is looked at: the first choice with a peer may map its memory.
+        choice = await core.paths.choose(peer=msg.src, peer_host=msg.src_host,
+                                         peer_tcp=msg.src_tcp, peer_shared=msg.src_shared,
+                                         mem=mem, codec=msg.codec, peer_secrets=msg.src_secrets)
+        try:
+            if core.memory is not mem:
+                return reject("no_reservation", f"{core.instance_id}'s KV memory changed")
+            return self._admit(msg, headers, mem, choice, reject)
+        finally:
+            choice.release()  # unless a stream took it
+
+    def _admit(self, msg: m.Manifest, headers: dict[str, str] | None, mem: RegisteredKV,
+               choice: Choice, reject: Reject) -> m.ControlMessage:
+        core = self.core
         if msg.transfer_id in core.book.streams or msg.transfer_id in self._seen:
             return reject("duplicate", f"transfer {msg.transfer_id} was offered here before")
         entry = core.book.receiving.get(msg.request_id)
         if entry is not None and entry.kind is not Kind.RESERVATION:
             return reject("duplicate", f"request {msg.request_id!r} already has a "
                           f"{'staged ' if entry.kind is Kind.STAGED else ''}push")
-        refused = peer_refusal(msg.src, msg.src_address, core.registry, core.transport,
-                               "manifest")
-        if refused is not None:
-            core.count("forbidden", int(refused[0] == "forbidden"))
-            return reject(*refused)
         if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
             return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
                           f"in {mem.num_blocks} registered blocks")
         if len(msg.block_hashes) > len(msg.src_blocks):
             return reject("malformed", f"{len(msg.block_hashes)} block hashes for "
                           f"{len(msg.src_blocks)} blocks")
+        if (why := choice.refusal(msg.src_blocks)) is not None:
+            return reject("invalid_blocks", why)
         if entry is None:
-            return self._stage(msg, headers, mem, reject)
+            return self._stage(msg, headers, mem, choice, reject)
         if entry.expect_from and msg.src != entry.expect_from:
             core.count("forbidden", 1)
             return reject("forbidden", f"{msg.request_id!r} is expected from "
@@ -179,15 +196,16 @@ class Admission:
                 return m.Accept(transfer_id=msg.transfer_id, dst_tag=0,
                                 dst_address=core.transport.address, dst_blocks=full.ids,
                                 skip=skip)
-        return self._start(entry, msg, handle, full.ids, skip, None)
+        return self._start(entry, msg, handle, full.ids, skip, None, choice)
 
     def _stage(self, msg: m.Manifest, headers: dict[str, str] | None, mem: RegisteredKV,
-               reject: Reject) -> m.ControlMessage:
+               choice: Choice, reject: Reject) -> m.ControlMessage:
         """No reservation yet: hold the whole push in staging until the engine claims it
         with expect(), or refuse at once when the bounded pool has no room (the sender
         backs off and retries for staging_wait_s)."""
         core = self.core
-        single = single_message_for(mem, is_run(msg.src_blocks), False, msg.codec)
+        single = choice.path != "shm" and \
+            single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path)
         layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
         need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers
         held = sum(e.staged_bytes for e in core.book.receiving.values()
@@ -215,25 +233,31 @@ class Admission:
         _trace(t, msg, headers)
         handle = ReceiveHandle(t, core.aborter(entry), blocks=None)
         core.track(entry, handle)
-        return self._start(entry, msg, handle, [], [], dict(enumerate(slots)))
+        return self._start(entry, msg, handle, [], [], dict(enumerate(slots)), choice)
 
     def _start(self, entry: Entry, msg: m.Manifest, handle: ReceiveHandle,
                accepted: list[int], skip: list[int],
-               staged: dict[int, torch.Tensor] | None) -> m.ControlMessage:
+               staged: dict[int, torch.Tensor] | None, choice: Choice) -> m.ControlMessage:
         core = self.core
-        self._taken(msg.transfer_id)
         t = handle.transfer
+        src_kept = without(msg.src_blocks, skip)
+        source = choice.source(src_kept, core.mem())  # ids checked by _admit
+        if source is not None:
+            t.on_release(source.release)
+        self._taken(msg.transfer_id)
         t.deadline_s = msg.deadline_s  # the sender's deadline holds on both sides
+        core.paths.record(t, choice.path, msg.src_host)
         core.registry.contact(msg.src)
         dst_tag = core.new_tag(t)
-        src_kept = without(msg.src_blocks, skip)
-        stream = RecvStream(core.env(), handle, peer_address=msg.src_address,
+        stream = RecvStream(core.env(choice.path), handle,
+                            peer_address=choice.tcp if choice.path == "tcp" else msg.src_address,
                             src_tag=msg.src_tag, dst_tag=dst_tag,
                             src_contiguous=is_run(src_kept), nblocks=len(src_kept),
-                            staged_slots=staged)
+                            staged_slots=staged, source=source, path=choice.path)
         core.run_stream(entry, stream, msg.deadline_s)
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
                         dst_address=core.transport.address,
                         # A staged push answers [] so both sides derive the same framing.
-                        dst_blocks=accepted, skip=skip)
+                        dst_blocks=accepted, skip=skip, path=choice.path,  # type: ignore[arg-type]
+                        dst_tcp=core.paths.tcp_address)
 

@@ -29,7 +29,7 @@ from kvstream.engine.core import Core
 from kvstream.engine.keeper import Keeper, RemoteLease
 from kvstream.engine.liveness import Liveness
 from kvstream.engine.offers import Offers
-from kvstream.engine.ports import open_control, open_transport
+from kvstream.engine.ports import open_control, open_tcp, open_transport
 from kvstream.engine.pull import Puller
 from kvstream.engine.push import Pusher
 from kvstream.engine.rules import claimed_sender
@@ -94,6 +94,7 @@ class Agent:
             control, self.nats_url = await open_control(cfg, self._stack)
         if transport is None:
             transport = await open_transport(cfg, self._stack)
+            self._core.paths.tcp = await open_tcp(cfg, self._stack, self.nats_url)
         tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._core.attach(control, transport, tg.start_soon)
         self._stack.push_async_callback(self._shutdown, tg)
@@ -114,6 +115,7 @@ class Agent:
                     for entry in list(core.book.leases.values()):
                         leases.start_soon(entry.handle.release, "agent shutting down")
             await core.end_all("agent shutting down", self.config.request_timeout_s * 2)
+            core.paths.close()
             with contextlib.suppress(KVStreamError):
                 await core.control.publish(self.subjects.registry(self.instance_id),
                                            m.Leave(instance_id=self.instance_id))
@@ -128,7 +130,10 @@ class Agent:
         travel with its blocks and a destination with other scales refuses them.
         """
         self._liveness.layout = layout
-        return self._core.register(RegisteredKV(layout, layers, cache_scales=cache_scales))
+        mem = self._core.register(RegisteredKV(layout, layers, cache_scales=cache_scales))
+        if self._core.started:
+            self._core.spawn(self._liveness.announce_soon)  # peers learn what they may map
+        return mem
 
     async def unregister_kv(self, reason: str = "KV memory unregistered") -> None:
         """Abort every transfer and reservation, then drop the memory (and staging buffers).
@@ -136,7 +141,9 @@ class Agent:
         Returns once nothing can write into the old memory any more."""
         await self._core.end_all(reason)
         self._core.memory = None
+        self._core.paths.unregister()
         self.staging.clear()
+        await self._liveness.announce_soon()
 
     @property
     def memory(self) -> RegisteredKV | None:

@@ -25,6 +25,7 @@ from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.stream import Stream, StreamEnv
 from kvstream.engine.book import Action, Book, Entry, Finish, LoseLease, Stop, TellKeeper
+from kvstream.engine.paths import DataPaths
 from kvstream.transfer.state import EndCause, TransferResult, TransferState
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Core:
                          transfer_timeout_s=config.transfer_timeout_s, lease_s=config.lease_s)
         self.memory: RegisteredKV | None = None
         self.identity = Identity(config.instance_id)
+        self.paths = DataPaths(config, registry)
         self.forgot: dict[str, int] = {}  # peer -> how often we aborted our endpoint to it
         self._control: ControlPort | None = None
         self._transport: Transport | None = None
@@ -87,16 +89,23 @@ class Core:
 
     def sweep(self) -> None:
         """Drop what waits in the data plane on no live tag (late, stray or forged)."""
-        try:
-            self.count("data_discarded", self.transport.sweep(wire.is_live))
-        except KVStreamError as exc:
-            log.warning("data-plane sweep: %s", exc)
+        for transport in (self.transport, self.paths.tcp):
+            if transport is None:
+                continue
+            try:
+                self.count("data_discarded", transport.sweep(wire.is_live))
+            except KVStreamError as exc:
+                log.warning("data-plane sweep: %s", exc)
 
     def new_tag(self, transfer: Transfer) -> int:
         """A fresh data-plane tag prefix for ``transfer``, live until it ends."""
         tag = wire.new_xfer_tag()
         transfer.on_release(lambda: wire.release_xfer_tag(tag))
         return tag
+
+    @property
+    def started(self) -> bool:
+        return self._spawn is not None
 
     @property
     def control(self) -> ControlPort:
@@ -119,6 +128,7 @@ class Core:
         if self.memory is not None:
             raise ConfigError("KV memory is already registered with this agent")
         self.memory = mem
+        self.paths.register(mem)
         self.staging.device = str(mem.device)
         if self.config.codec != "none" or set(self.config.accept_codecs) - {"none"}:
             # Build the codec kernel now, off the event loop, not under the first transfer.
@@ -198,19 +208,22 @@ class Core:
 
     # -- streams ---------------------------------------------------------------------------
     def count(self, key: str, n: int) -> None:
-        self.book.counts[key] += n
+        self.book.counts[key] = self.book.counts.get(key, 0) + n
 
-    def env(self) -> StreamEnv:
-        return StreamEnv(config=self.config, transport=self.transport, memory=self.mem(),
+    def env(self, path: str = "ucx") -> StreamEnv:
+        """What a stream on ``path`` needs (its transport: TCP's, or the base one)."""
+        transport = self.paths.transport(path, self.transport)
+        return StreamEnv(config=self.config, transport=transport, memory=self.mem(),
                          staging=self.staging, request_abort=self.request_abort,
                          publish_done=self.publish_done, count=self.count,
                          peer_alive=self.registry.alive,
-                         address_shared=self.registry.address_shared, forget=self.forget)
+                         address_shared=self.registry.address_shared,
+                         forget=lambda peer, address: self.forget(peer, address, transport))
 
-    def forget(self, peer: str, address: bytes) -> None:
+    def forget(self, peer: str, address: bytes, transport: Transport | None = None) -> None:
         """Abort our endpoint to ``peer`` and say so in our announcements (``forgot``):
         the peer, if it is only slow, drops its endpoint to us in turn."""
-        self.transport.forget_peer(address)
+        (transport or self.transport).forget_peer(address)
         self.forgot[peer] = self.forgot.pop(peer, 0) + 1  # most recent last
         while len(self.forgot) > m.MAX_FORGOT:
             del self.forgot[next(iter(self.forgot))]
@@ -219,6 +232,8 @@ class Core:
         """Start ``stream`` for ``entry``; whatever happens to it, its transfer ends."""
         t = stream.transfer
         entry.runner = stream
+        if t.path:
+            self.count(f"path:{t.path}", 1)
         self.book.streaming(entry, t.transfer_id, self.clock(), deadline_s)
         stream.on_received = lambda: self.book.received_all(entry)
         self.wake()

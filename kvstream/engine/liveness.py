@@ -8,6 +8,7 @@ peer timeout, or until someone opened something sooner (``wake``). No polling lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ class Liveness:
         self.layout = layout
         self._seq = 0
         self._forgot_seen: dict[str, int] = {}  # peer -> its count of forgetting us
+        self._last_hello = -math.inf
         self._wake = anyio.Event()
         core.wake = self._wake.set
 
@@ -49,6 +51,12 @@ class Liveness:
         match msg:
             case m.Announce() if msg.instance_id != core.instance_id:
                 self._forgotten_by(msg)
+                info = core.registry.get(iid)
+                if info is not None and info.announce is not None and \
+                        info.announce.shared != msg.shared:
+                    core.paths.forget(info.announce.shared)  # its KV moved: unmap the old
+                if info is None or info.announce is None:
+                    self._hello()
                 core.registry.observe(msg)
             case m.Leave() if msg.instance_id != core.instance_id:
                 core.registry.leave(msg.instance_id)
@@ -70,6 +78,20 @@ class Liveness:
             log.info("%s dropped its endpoint to us; dropping ours to it", peer)
             core.transport.forget_peer(msg.worker_address)
 
+    def _hello(self) -> None:
+        """A peer we had not heard announce: announce back now, so that a peer that
+        started after our last announcement knows us (our data paths, our memory) within a
+        round trip, not a heartbeat. At most four times a heartbeat, whoever joins."""
+        now = self.core.clock()
+        if now - self._last_hello >= self.core.config.heartbeat_s / 4:
+            self._last_hello = now
+            self.core.spawn(self.announce_soon)
+
+    async def announce_soon(self) -> None:
+        """Announce now, not at the next heartbeat (what peers may map has changed)."""
+        with contextlib.suppress(KVStreamError):
+            await self.announce()
+
     async def announce(self) -> None:
         core = self.core
         self._seq += 1
@@ -79,10 +101,14 @@ class Liveness:
             worker_address=core.transport.address, layout=mem.layout if mem else self.layout,
             num_blocks=mem.num_blocks if mem else 0, load=float(len(core.book.streams)),
             heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint,
-            forgot=dict(core.forgot)))
+            forgot=dict(core.forgot), host=core.paths.host, tcp=core.paths.tcp_address,
+            shared=core.paths.shared))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core
+        info = core.registry.get(peer)
+        if info is not None and info.announce is not None:
+            core.paths.forget(info.announce.shared)
         why = core.registry.why_dead(peer)
         core.perform(core.book.peer_lost(peer, why, core.registry.alive))
 
@@ -117,6 +143,8 @@ class Liveness:
                 except KVStreamError as exc:
                     log.warning("heartbeat not sent: %s", exc)
                 core.sweep()
+                core.paths.prune({a.shared.pid for a in core.registry.instances()
+                                  if a.shared is not None})
             self.tick()
             due = min(next_beat, core.book.next_deadline(), self._peer_deadline())
             # A deadline just passed is handled at the next turn; a tiny margin keeps the

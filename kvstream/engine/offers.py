@@ -133,6 +133,13 @@ class Offers:
         shrink(t, mem, len(full), len(handle.blocks))
         core.count("bytes_skipped", t.bytes_skipped)
         src_tag = core.new_tag(t)
+        # The puller's pick, unless this instance does not offer it: then plain UCX.
+        why = core.paths.refusal(msg.path, peer=msg.dst, peer_tcp=msg.dst_tcp, codec=codec)
+        if why is not None:
+            log.info("the pull of %r asks for path %s: %s; sending over UCX", msg.request_id,
+                     msg.path, why)
+        path = msg.path if why is None else "ucx"
+        core.paths.record(t, path, msg.dst_host)
         manifest = m.Manifest(
             transfer_id=t.transfer_id, request_id=t.request_id, src=core.instance_id,
             dst=msg.dst, src_address=core.transport.address, src_tag=src_tag,
@@ -141,14 +148,19 @@ class Offers:
             mode="eager" if handle.eager else "pipelined", codec=codec,
             payload_bytes=t.layer_bytes * t.num_layers, deadline_s=msg.deadline_s,
             block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
-            lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [])
+            lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [],
+            path=path, src_host=core.paths.host, src_tcp=core.paths.tcp_address,
+            src_shared=core.paths.shared if path == "shm" else None,
+            src_secrets=core.paths.secrets() if path == "shm" else [])
         core.registry.contact(msg.dst)
         if not handle.blocks:
             core.complete_empty(t)
             return manifest
-        stream = SendStream(core.env(), handle, peer_address=msg.dst_address, src_tag=src_tag,
-                            dst_tag=msg.dst_tag,
-                            dst_contiguous=is_run(without(msg.dst_blocks, skip)))
+        stream = SendStream(core.env(path), handle,
+                            peer_address=msg.dst_tcp if path == "tcp" else msg.dst_address,
+                            src_tag=src_tag, dst_tag=msg.dst_tag,
+                            dst_contiguous=is_run(without(msg.dst_blocks, skip)),
+                            mapped=path == "shm", path=path)
         core.run_stream(entry, stream, msg.deadline_s)
         return manifest
 

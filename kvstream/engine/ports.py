@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kvstream.control.port import ControlPort
     from kvstream.dataplane.transport import Transport
 
-__all__ = ["open_control", "open_transport"]
+__all__ = ["open_control", "open_tcp", "open_transport"]
 
 
 async def _shielded(close: Callable[[], Awaitable[None]], timeout: float = 5.0) -> None:
@@ -54,3 +54,37 @@ async def open_transport(cfg: AgentConfig, stack: contextlib.AsyncExitStack) -> 
                                   error_handling=cfg.ucx_error_handling)
     stack.push_async_callback(_shielded, worker.close)
     return worker
+
+
+def _route_to(url: str) -> str:
+    """The local IP that reaches ``url``'s host (no packet is sent): what a peer that
+    reaches the same NATS server is likely to reach us on."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+async def open_tcp(cfg: AgentConfig, stack: contextlib.AsyncExitStack,
+                   nats_url: str) -> Transport | None:
+    """kvstream's TCP data path (None when the config leaves it out)."""
+    if "tcp" not in cfg.paths or cfg.tcp_listen == "off":
+        return None
+    from kvstream.dataplane.tcp import TcpTransport
+
+    host, port, advertise = "0.0.0.0", 0, None
+    if cfg.tcp_listen:
+        host, _, port_text = cfg.tcp_listen.rpartition(":")
+        host, port = host.strip("[]"), int(port_text)
+    if host in ("0.0.0.0", "::"):
+        advertise = _route_to(nats_url)
+    tcp = await TcpTransport.open(host, port, advertise=advertise, lanes=cfg.tcp_lanes)
+    stack.push_async_callback(_shielded, tcp.close)
+    return tcp

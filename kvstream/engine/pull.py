@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 
     from kvstream.engine.book import Entry
     from kvstream.engine.core import Core
+    from kvstream.engine.paths import Choice
     from kvstream.memory import BlockMap
+    from kvstream.shm import SharedExport
 
 __all__ = ["Puller"]
 
@@ -85,7 +87,7 @@ class Puller:
 
     async def _ask(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                    have: list[int], deadline: float, want_codec: str,
-                   dst_tag: int) -> m.ControlUnion:
+                   dst_tag: int, path: str) -> m.ControlUnion:
         core = self.core
         mem = core.mem()
         src = entry.peer
@@ -99,7 +101,8 @@ class Puller:
                            dst_blocks=blocks.ids, have=have, mode=mode,  # type: ignore[arg-type]
                            deadline_s=deadline, codec=want_codec,
                            wire_fingerprint=wire_fingerprint(mem.layout, want_codec),
-                           secret=entry.secret),
+                           secret=entry.secret, path=path,  # type: ignore[arg-type]
+                           dst_host=core.paths.host, dst_tcp=core.paths.tcp_address),
                     timeout=core.config.request_timeout_s, peer=src,
                     headers=telemetry.headers_of(span))
         except BaseException as exc:
@@ -139,17 +142,52 @@ class Puller:
                                        request_id=rid, peer=src)
         return reply
 
+    def _path(self, manifest: m.Manifest, choice: Choice,
+              mapped: SharedExport | None) -> tuple[str, bytes]:
+        """The path the source answered (ours, or plain UCX) and the address to use on it."""
+        path = manifest.path
+        if path != choice.path and path != "ucx":
+            raise ProtocolError(f"{manifest.src} answered on path {path!r}, asked {choice.path!r}")
+        if path == "shm":
+            if manifest.src_shared != mapped or not choice.holds(manifest.src_secrets):
+                raise ProtocolError(f"{manifest.src}'s shared KV is not what it announced, "
+                                    "or not its own")
+            if (why := choice.refusal(manifest.src_blocks)) is not None:
+                raise ProtocolError(why)
+        if path == "tcp":
+            if manifest.src_tcp != choice.tcp:
+                raise ProtocolError(f"{manifest.src} answered with another TCP address")
+            return path, choice.tcp
+        return path, manifest.src_address
+
     async def _pull(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                     have: list[int], lookahead: int, deadline: float,
                     want_codec: str) -> ReceiveHandle:
+        core = self.core
+        src = entry.peer
+        info = core.registry.get(src)
+        ann = info.announce if info is not None else None
+        choice = await core.paths.choose(
+            peer=src, peer_host=ann.host if ann else "", peer_tcp=ann.tcp if ann else b"",
+            peer_shared=ann.shared if ann else None, mem=core.mem(), codec=want_codec)
+        try:
+            return await self._stream(entry, span, blocks, mode, have, lookahead, deadline,
+                                      want_codec, choice, ann.shared if ann else None)
+        finally:
+            choice.release()  # unless the stream took it
+
+    async def _stream(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
+                      have: list[int], lookahead: int, deadline: float, want_codec: str,
+                      choice: Choice, mapped: SharedExport | None) -> ReceiveHandle:
         core = self.core
         src, request_id = entry.peer, entry.request_id
         dst_tag = wire.new_xfer_tag()
         try:
             reply = await self._ask(entry, span, blocks, mode, have, deadline, want_codec,
-                                    dst_tag)
+                                    dst_tag, choice.path)
             try:
                 manifest = self._check(reply, entry, len(blocks), want_codec)
+                path, peer_address = self._path(manifest, choice, mapped)
             except (ProtocolError, TransferAbortedError):
                 if isinstance(reply, m.Manifest) and reply.transfer_id:
                     await core.request_abort(src, reply.transfer_id, "bad pull answer")
@@ -181,12 +219,16 @@ class Puller:
         if not kept:
             core.complete_empty(t, handle)
             return handle
+        core.paths.record(t, path, manifest.src_host)
         try:
-            stream = RecvStream(core.env(), handle, peer_address=manifest.src_address,
+            src_kept = without(manifest.src_blocks, manifest.skip)
+            source = choice.source(src_kept, mem) if path == "shm" else None
+            if source is not None:
+                t.on_release(source.release)
+            stream = RecvStream(core.env(path), handle, peer_address=peer_address,
                                 src_tag=manifest.src_tag, dst_tag=dst_tag,
-                                src_contiguous=is_run(without(manifest.src_blocks,
-                                                              manifest.skip)),
-                                nblocks=len(kept))
+                                src_contiguous=is_run(src_kept), nblocks=len(kept),
+                                source=source, path=path)
         except Exception as exc:  # e.g. the memory was unregistered meanwhile
             t.finish(TransferState.FAILED, str(exc))
             await core.request_abort(src, t.transfer_id, str(exc))

@@ -100,6 +100,9 @@ class Pusher:
             codec=wire_codec, payload_bytes=transfer.layer_bytes * transfer.num_layers,
             deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
+            src_host=core.paths.host, src_tcp=core.paths.tcp_address,
+            src_shared=core.paths.shared if wire_codec == "none" else None,
+            src_secrets=core.paths.secrets() if wire_codec == "none" else [],
         )
         reply: m.ControlUnion | None = None
         try:
@@ -121,8 +124,12 @@ class Pusher:
                                              f"push failed: {exc!r}")
             raise
         core.registry.contact(dst_instance)
+        peer_host = _announced_host(core, dst_instance)
         try:
             check_skip(reply.skip, len(blocks))
+            if (why := core.paths.refusal(reply.path, peer=dst_instance,
+                                          peer_tcp=reply.dst_tcp, codec=wire_codec)):
+                raise ProtocolError(f"{dst_instance} chose a path this instance refuses: {why}")
             if entry.ending is not None:  # ended while negotiating (shutdown, abort)
                 raise TransferAbortedError(f"push of {request_id!r} ended: {entry.ending[1]}",
                                            request_id=request_id, peer=dst_instance)
@@ -137,9 +144,12 @@ class Pusher:
             if not handle.blocks:
                 core.complete_empty(transfer)
                 return handle
-        stream = SendStream(core.env(), handle, peer_address=reply.dst_address,
+        core.paths.record(transfer, reply.path, peer_host)
+        stream = SendStream(core.env(reply.path), handle,
+                            peer_address=reply.dst_tcp if reply.path == "tcp" else reply.dst_address,
                             src_tag=src_tag, dst_tag=reply.dst_tag,
-                            dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)))
+                            dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)),
+                            mapped=reply.path == "shm", path=reply.path)
         core.run_stream(entry, stream, timeout)
         return handle
 
@@ -178,6 +188,12 @@ class Pusher:
             raise TransferError(f"{dst} was not asked: staging_wait_s is 0",
                                 request_id=manifest.request_id, peer=dst)
         return reply
+
+
+def _announced_host(core: Core, peer: str) -> str:
+    """The host a peer announces ("" before its first announcement: no same-host path)."""
+    info = core.registry.get(peer)
+    return info.announce.host if info is not None and info.announce is not None else ""
 
 
 def _fail(transfer: Transfer, exc: BaseException) -> None:

@@ -46,6 +46,15 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # secret (a pull, renewal or abort by a third party).
     forbidden_requests: int = 0
     data_discarded: int = 0  # data-plane messages on no live tag, dropped unread
+    # Transfers started per data-plane path (dataplane/paths.py), e.g. {"shm": 3}.
+    paths: dict[str, int] = {}
+
+    def counts(self) -> dict[str, int]:
+        """One flat dict of counts (what a sidecar sends): ``paths`` as ``path.<name>``."""
+        out = {f: getattr(self, f) for f in self.__struct_fields__
+               if isinstance(getattr(self, f), int)}
+        out.update({f"path.{k}": v for k, v in self.paths.items()})
+        return out
 
 
 def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStatistics:
@@ -69,4 +78,5 @@ def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStati
         staged_dropped=c["staged_dropped"], renewals_sent=c["renewals_sent"],
         unauthenticated_messages=unauthenticated, forbidden_requests=c["forbidden"],
         data_discarded=c["data_discarded"],
+        paths={k[5:]: v for k, v in c.items() if k.startswith("path:")},
     )

@@ -7,8 +7,8 @@ ctypes releases the GIL for the call, so a layer quantizes on a copy thread whil
 the event loop keeps sending. The library is built for this CPU (``-march=native``:
 20-25 % faster than plain ``-mavx2`` on the EPYC here) when it has AVX2 and F16C,
 and as portable C otherwise; the cache key covers the source, the flags, the
-compiler and the CPU, so a changed kernel, or a cache shared across machines, never
-loads a mismatched build. Without a
+compiler and the CPU (``kvstream.native`` builds and caches it), so a changed kernel,
+or a cache shared across machines, never loads a mismatched build. Without a
 C compiler or the source (an installed wheel has no csrc/), ``load()`` returns
 None and callers fall back to the torch reference, with a warning.
 """
@@ -16,18 +16,15 @@ None and callers fall back to the torch reference, with a warning.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kvstream import native
 from kvstream._exceptions import QuantizationError
+from kvstream.native import cache_dir
 
 __all__ = ["CpuKernel", "build", "cache_dir", "load", "source_path"]
 
@@ -41,62 +38,21 @@ DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def source_path() -> Path:
-    return Path(__file__).resolve().parents[2] / "csrc" / "fp8_cpu.c"
-
-
-def cache_dir() -> Path:
-    """kvstream's build cache (kernels, the test model): ``$KVSTREAM_CACHE_DIR`` or
-    ``$XDG_CACHE_HOME/kvstream`` (``~/.cache/kvstream``)."""
-    base = os.environ.get("KVSTREAM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstream")
-    return Path(base)
-
-
-def _cpu_id() -> str:
-    """This CPU's model and feature flags (part of the build's cache key)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    return "\n".join(keep) or platform.machine()
+    return native.csrc_path("fp8_cpu.c")
 
 
 def _simd_flags() -> list[str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
-    flags = _cpu_id()
+    flags = native.cpu_id()
     return ["-march=native"] if " avx2" in flags and " f16c" in flags else []
 
 
 def build(src: Path | None = None, *, simd: bool = True) -> Path:
     """Compile (or find in the cache) the kernel; ``simd=False`` builds the portable C."""
-    src = src or source_path()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise QuantizationError("no C compiler (cc/gcc) to build the CPU codec kernel")
     flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", *(_simd_flags() if simd else [])]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + version.encode()
-                         + _cpu_id().encode())
-    out = cache_dir() / f"fp8_cpu-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build to a private name and rename: processes starting together never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise QuantizationError(f"building {src.name} failed:\n{proc.stderr.strip()}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return native.build(src or source_path(), flags, libs=("-lm",), error=QuantizationError,
+                        what="the CPU codec kernel")
 
 
 _QUANTIZE_ARGS = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 2, ctypes.c_void_p,

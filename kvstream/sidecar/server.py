@@ -126,10 +126,7 @@ class _Session:
             case lp.Abort():
                 tg.start_soon(self._abort, msg)
             case lp.Stats():
-                s = self.agent.statistics()
-                await self.send(lp.Ok(id=msg.id, stats={
-                    f: getattr(s, f) for f in s.__struct_fields__
-                    if isinstance(getattr(s, f), int)}))
+                await self.send(lp.Ok(id=msg.id, stats=self.agent.statistics().counts()))
             case _:
                 await self.reply_error(msg.id, ConfigError(f"{type(msg).__name__} is not a request"))
 

@@ -62,6 +62,11 @@ def _bench_spec(model: str | None, layers: int, kv_heads: int, head_dim: int, bl
 @click.option("--transport", default="",
               help="UCX transports of the benchmark processes (UCX_TLS), e.g. 'tcp' for a "
                    "slow link")
+@click.option("--path", type=click.Choice(["auto", "shm", "tcp", "ucx"]), default="auto",
+              show_default=True,
+              help="data-plane path of the agents (auto: the one a deployment's would take)")
+@click.option("--two-hosts", is_flag=True,
+              help="give each side its own host id, as if on two machines (no same-host path)")
 @click.option("--tracing", is_flag=True,
               help="also run with tracing on (spans exported to a file) and report the ratio")
 @click.option("--accuracy", is_flag=True,
@@ -72,7 +77,8 @@ def bench(
     model: str | None, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
     tokens: int, repeat: int, layer_compute_ms: float | None, contiguous: bool, sidecar: bool,
     modes: tuple[str, ...], prefix_hit: float, codecs: tuple[str, ...], transport: str,
-    tracing: bool, accuracy: bool, nats_url: str | None, as_json: bool,
+    path: str, two_hosts: bool, tracing: bool, accuracy: bool, nats_url: str | None,
+    as_json: bool,
 ) -> None:
     """Time a synthetic KV transfer between two processes, vs raw ucxx.
 
@@ -85,7 +91,8 @@ def bench(
         return
     spec = _bench_spec(model, layers, kv_heads, head_dim, block_size, dtype, tokens, contiguous,
                        prefix_hit)
-    spec = msgspec.structs.replace(spec, transport=transport)
+    spec = msgspec.structs.replace(spec, transport=transport,
+                                   path="" if path == "auto" else path, host_ids=two_hosts)
     say = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     result = run_bench(spec, repeat=repeat, layer_compute_ms=layer_compute_ms,
                        nats_url=nats_url, sidecar=sidecar, modes=list(modes) or None,

@@ -88,6 +88,9 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     bytes_skipped: int = 0  # already at the destination (incremental)
     codec: str = "none"  # how the bytes travelled; ``bytes`` counts wire bytes
     cause: EndCause = EndCause.COMPLETED  # why it ended (meaningful once it has)
+    # The data-plane path (dataplane/paths.py: shm, cuda_ipc, tcp, ucx_shm, ucx_rdma,
+    # ucx_tcp); "" when no byte had to move.
+    path: str = ""
 
     @property
     def seconds(self) -> float:
@@ -121,6 +124,7 @@ class Transfer:
         self.done_count = 0
         self.bytes_skipped = 0
         self.codec = "none"
+        self.path = ""  # the data-plane path, once chosen (engine/paths.py)
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
         self.span: Span | None = None  # its trace (kvstream.telemetry), when one is open
@@ -194,6 +198,7 @@ class Transfer:
             bytes_skipped=self.bytes_skipped,
             codec=self.codec,
             cause=self.cause,
+            path=self.path,
         )
 
 

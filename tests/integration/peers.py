@@ -38,16 +38,25 @@ def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list
 
 
 def prefill_peer(layout_blob: bytes, nats_url: str, request_id: str, dst: str,
-                 blocks: list[int], ready_layers: int, q: Any) -> None:
-    """Push to ``dst``, mark only ``ready_layers`` layers ready, then hang (to be killed)."""
+                 blocks: list[int], ready_layers: int, q: Any, shared: bool = False) -> None:
+    """Push to ``dst``, mark only ``ready_layers`` layers ready, then hang (to be killed).
+    ``shared``: its KV in shared memory (a same-host destination reads it directly)."""
     from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
     layout = msgspec.msgpack.decode(layout_blob, type=KVLayout)
 
     async def main() -> None:
+        kv = cache(layout, 32, fill=True)
+        if shared:
+            from kvstream.shm import SharedKV
+
+            mem = SharedKV.create(layout, 32)
+            for t, src in zip(mem.layers, kv, strict=True):
+                t.copy_(src)
+            kv = mem.layers
         async with Agent(_cfg("peer-prefill", nats_url), layout=layout,
-                         kv_caches=cache(layout, 32, fill=True)) as agent:
+                         kv_caches=kv) as agent:
             handle = await agent.push(request_id, dst, blocks)
             for layer in range(ready_layers):
                 handle.layer_ready(layer)

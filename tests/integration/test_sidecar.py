@@ -16,7 +16,7 @@ import torch
 from kvstream import Agent, AgentConfig, KVLayout, LayoutError, TransferError
 from kvstream.blocking import BlockingClient
 from kvstream.client import Client, SidecarLostError
-from kvstream.shm import SharedKV, SharedKVSpec
+from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
 from tests.fakes import cache, small_layout
 
@@ -257,7 +257,7 @@ async def test_layout_mismatch_at_registration_is_refused(sidecars):
             await client.register_kv(lay, shared)
         # Segments that do not hold what the stated layout needs are refused too.
         other = SharedKV.create(lay, 8)
-        wrong = SharedKVSpec(layout=lay, num_blocks=9, names=other.spec.names)
+        wrong = msgspec.structs.replace(other.spec, num_blocks=9)
         with pytest.raises(LayoutError):
             await client.request(lp.RegisterKV(shared=wrong))
         other.close()

@@ -1,6 +1,8 @@
 """csrc/fp8.cu's kernels run on the CPU by a small CUDA emulation (tests/unit/cuda_emu/), checked
 bit for bit against kvstream.quant.reference: both codecs, the three engine dtypes, the scale
-groups of every arrangement, hard values, blockDim 32 to 256.
+groups of every arrangement, hard values, blockDim 32 to 256. And csrc/blockcopy.cu's
+kvs_copy_blocks, launched through kvstream.dataplane.blockcopy.CudaBlockCopy, against the torch
+reference dst[dst_idx] = src[src_idx]: aligned and unaligned items of every width.
 
 The kernels are launched through kvstream.quant.cuda.CudaBackend (its grid, block size, argument
 order and error paths) with a stand-in for cupy whose RawModule compiles the REAL kernel text
@@ -24,10 +26,12 @@ import tempfile
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kvstream._exceptions import QuantizationError
+from kvstream._exceptions import InvalidBlockError, QuantizationError
+from kvstream.dataplane import blockcopy
 from kvstream.layout import KVLayout
 from kvstream.memory import RegisteredKV
 from kvstream.quant import cuda, reference
@@ -54,20 +58,25 @@ DEC_IDS = [3, 8, 0, 6, 4, 1, 9, 2, 5]  # block 7 of the destination must stay un
 _PTX_CVT = re.compile(r'asm\("(cvt(?:\.\w+)+) %0, %1;"\s*:\s*"=\w"\((\w+)\)\s*:\s*"\w"\((\w+)\)\);')
 
 
-def emulated_source(code: str) -> str:
-    """The translation unit g++ compiles: fp8.cu between prelude.h and tail.h, its PTX
-    conversions replaced by the prelude's emulations (g++ rejects any other asm())."""
+# Headers included after a kernel source (tail.h reaches into fp8.cu's codec structs).
+_TAILS = {"fp8.cu": '#include "tail.h"\n'}
+
+
+def emulated_source(code: str, name: str = "fp8.cu") -> str:
+    """The translation unit g++ compiles: the kernel source ``name`` after prelude.h (fp8.cu
+    before tail.h), its PTX conversions replaced by the prelude's emulations (g++ rejects any
+    other asm())."""
     body = _PTX_CVT.sub(lambda m: f"{m[2]} = kvs_emu_{m[1].replace('.', '_')}({m[3]});", code)
-    return f'#include "prelude.h"\n#line 1 "fp8.cu"\n{body}\n#include "tail.h"\n'
+    return f'#include "prelude.h"\n#line 1 "{name}"\n{body}\n{_TAILS.get(name, "")}'
 
 
-def build(code: str, arch: int | None = ARCH) -> Path:
+def build(code: str, arch: int | None = ARCH, name: str = "fp8.cu") -> Path:
     """The emulation library of kernel text ``code`` (built once, then cached)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler (g++/c++): the emulated CUDA kernels cannot be built")
     flags = [*_FLAGS, *([f"-D__CUDA_ARCH__={arch}"] if arch else [])]
-    tu = emulated_source(code)
+    tu = emulated_source(code, name)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     parts = [tu, *(p.read_text() for p in sorted(EMU_DIR.glob("*.h"))), *flags, cxx, version]
     out = cache_dir() / f"cuda_emu-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
@@ -88,10 +97,12 @@ def build(code: str, arch: int | None = ARCH) -> Path:
 class EmuModule:
     """cupy.RawModule's stand-in: ``code`` compiled by the emulation."""
 
-    def __init__(self, *, code: str, options: tuple[str, ...] = (), arch: int | None = ARCH) -> None:
-        # The emulation's float semantics are NVRTC's under these options (prelude.h).
-        assert {"--ftz=false", "--fmad=false"} <= set(options), options
-        self.lib = ctypes.CDLL(str(build(code, arch)))
+    def __init__(self, *, code: str, options: tuple[str, ...] = (), arch: int | None = ARCH,
+                 name: str = "fp8.cu") -> None:
+        if name == "fp8.cu":
+            # The emulation's float semantics are NVRTC's under these options (prelude.h).
+            assert {"--ftz=false", "--fmad=false"} <= set(options), options
+        self.lib = ctypes.CDLL(str(build(code, arch, name)))
         self.lib.kvs_emu_launch.restype = ctypes.c_int
         self.lib.kvs_emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint,
                                             ctypes.c_void_p, ctypes.c_int]
@@ -132,20 +143,36 @@ def emulation(source: Path | None = None, arch: int | None = ARCH) -> ctypes.CDL
     return _module((source or SOURCE or cuda.source_path()).read_text(), arch).lib
 
 
-class _Stream:
+def _raw_module(*, code: str, options: tuple[str, ...] = ()) -> EmuModule:
+    """cupy.RawModule(code=...) on the emulation, for either kernel source."""
+    name = "blockcopy.cu" if "kvs_copy_blocks" in code else "fp8.cu"
+    return EmuModule(code=code, options=options, name=name)
+
+
+class _Stream(contextlib.nullcontext):
     cuda_stream = 0
 
     def synchronize(self) -> None:
         pass
 
 
+class _HostArray:
+    """cupy.asarray's stand-in: "device" memory is host memory to the emulation."""
+
+    def __init__(self, a: object) -> None:
+        self.host = np.ascontiguousarray(a)
+        self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def fake_cupy():
-    """cuda._launch's cupy and torch stream calls, for tensors on the CPU."""
+    """The cupy and torch stream calls of cuda._launch and CudaBlockCopy, for CPU tensors."""
     cupy = types.ModuleType("cupy")
-    cupy.RawModule = EmuModule
+    cupy.RawModule = _raw_module
+    cupy.asarray = _HostArray
     cupy.cuda = types.SimpleNamespace(Device=lambda *a: contextlib.nullcontext(),
-                                      ExternalStream=lambda *a: contextlib.nullcontext())
+                                      ExternalStream=lambda *a: _Stream(),
+                                      get_current_stream=_Stream)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cupy", cupy)
         mp.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
@@ -454,3 +481,116 @@ def test_encode_sampled_sweep(codec: str) -> None:
     else:
         want = v.to(torch.float8_e4m3fn).view(torch.uint8)
     assert_same_bits(got, want, f"{codec} codes of x * inv")
+
+
+# ---- csrc/blockcopy.cu: kvs_copy_blocks through CudaBlockCopy ----
+
+@functools.cache
+def _blockcopy_module() -> EmuModule:
+    return EmuModule(code=blockcopy.cuda_source_path().read_text(), name="blockcopy.cu")
+
+
+def emu_blockcopy(threads: int) -> blockcopy.CudaBlockCopy:
+    return blockcopy.CudaBlockCopy(_blockcopy_module(), threads=threads)
+
+
+def copy_reference(dst: torch.Tensor, src: torch.Tensor, dst_off: np.ndarray, src_off: np.ndarray,
+                   nbytes: int) -> torch.Tensor:
+    """dst[dst_idx] = src[src_idx] with the items' byte indices."""
+    out = dst.clone()
+    k = torch.arange(nbytes)
+    out[torch.from_numpy(dst_off)[:, None] + k] = src[torch.from_numpy(src_off)[:, None] + k]
+    return out
+
+
+def _items(n: int, nbytes: int, dst_mod: list[int], xor: list[int], seed: int):
+    """Buffers (64-byte aligned, as torch's are) and n scattered items whose destination
+    address is dst_mod[i % len] modulo 16 and whose source address differs from it by
+    xor[i % len] in the low four bits: 0 moves 16-byte words, 8, 4, 2, 1 narrower ones."""
+    gen = np.random.default_rng(seed)
+    slot = -(-(nbytes + 16) // 16) * 16
+    d_slots, s_slots = gen.permutation(n + 2)[:n], gen.permutation(n + 5)[:n]
+    dmod = np.array([dst_mod[i % len(dst_mod)] for i in range(n)])
+    smod = dmod ^ np.array([xor[i % len(xor)] for i in range(n)])
+    dst_off, src_off = (d_slots * slot + dmod).astype(np.int64), (s_slots * slot + smod).astype(np.int64)
+    src = torch.from_numpy(gen.integers(0, 256, (n + 5) * slot, dtype=np.uint8))
+    dst = torch.from_numpy(gen.integers(0, 256, (n + 2) * slot, dtype=np.uint8))
+    assert src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0
+    return dst, dst_off, src, src_off
+
+
+# (items, bytes each, destination address mod 16, source xor): whole aligned tiles, partial
+# tiles, the same misalignment on both sides (16-byte words after a head), every narrower width,
+# an item shorter than its head, items of several 16 KiB tiles at 256 threads.
+BLOCKCOPY_CASES = {
+    "aligned": (10, 4096, [0], [0]),
+    "aligned_partial_tile": (7, 3200, [0], [0]),
+    "same_misalignment": (9, 1000, [5, 13, 1], [0]),
+    "every_width": (20, 777, [0, 3, 7, 12, 9], [0, 8, 4, 2, 1, 6, 12, 3]),
+    "shorter_than_head": (6, 3, [1, 14, 15], [0, 1]),
+    "many_tiles": (3, 40000, [0, 4], [0, 4]),
+}
+
+
+@pytest.mark.parametrize("threads", [32, 96, 256])
+@pytest.mark.parametrize("case", BLOCKCOPY_CASES)
+def test_block_copy_matches_torch_reference(case: str, threads: int) -> None:
+    n, nbytes, dst_mod, xor = BLOCKCOPY_CASES[case]
+    dst, dst_off, src, src_off = _items(n, nbytes, dst_mod, xor, seed=len(case) * threads)
+    want = copy_reference(dst, src, dst_off, src_off, nbytes)
+    bc = emu_blockcopy(threads)
+    bc.copy(dst.data_ptr(), dst.nbytes, dst_off, src.data_ptr(), src.nbytes, src_off, nbytes)
+    assert_same_bits(dst, want, f"{case} copied with {threads} threads")
+    tiles = -(-nbytes // (threads * blockcopy.TILE_PER_THREAD))
+    assert _blockcopy_module().launches[-1] == ("kvs_copy_blocks", n * tiles, threads)
+
+
+def test_block_copy_compiles_its_own_module_through_cupy() -> None:
+    """CudaBlockCopy() builds csrc/blockcopy.cu with cupy.RawModule (here the emulation's)."""
+    dst, dst_off, src, src_off = _items(4, 100, [0, 3], [0, 1], seed=4)
+    want = copy_reference(dst, src, dst_off, src_off, 100)
+    bc = blockcopy.CudaBlockCopy()
+    bc.copy(dst.data_ptr(), dst.nbytes, dst_off, src.data_ptr(), src.nbytes, src_off, 100, stream=7)
+    assert_same_bits(dst, want, "CudaBlockCopy()")
+
+
+def test_block_copy_grid_strides_past_its_cap(monkeypatch) -> None:
+    """A grid smaller than the tiles (past 2^31 - 1 of them): every block strides on."""
+    monkeypatch.setattr(blockcopy, "_MAX_GRID", 5)
+    dst, dst_off, src, src_off = _items(9, 5000, [0, 6], [0, 2], seed=5)
+    want = copy_reference(dst, src, dst_off, src_off, 5000)
+    emu_blockcopy(32).copy(dst.data_ptr(), dst.nbytes, dst_off, src.data_ptr(), src.nbytes, src_off, 5000)
+    assert_same_bits(dst, want, "strided grid")
+    assert _blockcopy_module().launches[-1] == ("kvs_copy_blocks", 5, 32)
+
+
+def test_block_copy_refuses_out_of_bounds_before_any_launch() -> None:
+    dst, dst_off, src, src_off = _items(4, 256, [0], [0], seed=6)
+    before, launches = dst.clone(), _blockcopy_module().launches
+    count = len(launches)
+    bc = emu_blockcopy(32)
+    for d_last, s_last in ((dst.nbytes - 255, 0), (0, -1)):
+        d, s = dst_off.copy(), src_off.copy()
+        d[3], s[3] = d_last, s_last
+        with pytest.raises(InvalidBlockError, match="outside the"):
+            bc.copy(dst.data_ptr(), dst.nbytes, d, src.data_ptr(), src.nbytes, s, 256)
+    none = np.zeros(0, dtype=np.int64)
+    bc.copy(dst.data_ptr(), dst.nbytes, none, src.data_ptr(), src.nbytes, none, 256)
+    bc.copy(dst.data_ptr(), dst.nbytes, dst_off, src.data_ptr(), src.nbytes, src_off, 0)
+    assert len(launches) == count and torch.equal(dst, before)
+
+
+def test_block_copy_kernel_skips_and_counts_items_out_of_bounds() -> None:
+    """The kernel's own guard (for callers past the host checks): bad items are skipped, never
+    written, and counted once each; the others are copied."""
+    dst, dst_off, src, src_off = _items(5, 3000, [0], [0], seed=7)
+    dst_off[1], src_off[3] = dst.nbytes - 2999, -16
+    keep = np.array([0, 2, 4])
+    want = copy_reference(dst, src, dst_off[keep], src_off[keep], 3000)
+    offsets = np.concatenate([dst_off, src_off])
+    bad = np.zeros(1, dtype=np.uint64)
+    kernel = _blockcopy_module().get_function("kvs_copy_blocks")
+    kernel((5 * 2,), (32,), (dst.data_ptr(), dst.nbytes, offsets.ctypes.data, src.data_ptr(), src.nbytes,
+                             offsets.ctypes.data + 8 * 5, 5, 3000, bad.ctypes.data))
+    assert_same_bits(dst, want, "copy with two bad items")
+    assert int(bad[0]) == 2

@@ -154,6 +154,8 @@ def valid(t: mi.Type) -> st.SearchStrategy[Any]:
             return st.one_of([valid(u) for u in t.types])
         case mi.StructType() if t.cls in STRUCTS:
             return STRUCTS[t.cls]
+        case mi.StructType():  # validated by its fields' Meta alone
+            return st.builds(t.cls, **{f.name: valid(f.type) for f in t.fields})
     raise NotImplementedError(f"no strategy for {t}")
 
 

@@ -1,7 +1,9 @@
-// Host (g++) emulation of the CUDA features csrc/fp8.cu uses, so that tests/unit/
-// test_cuda_emulated.py can run the REAL kernel text on a CPU and compare it bit for bit with
-// kvstream/quant/reference.py. The test builds one translation unit:
+// Host (g++) emulation of the CUDA features csrc/fp8.cu and csrc/blockcopy.cu use, so that
+// tests/unit/test_cuda_emulated.py can run the REAL kernel text on a CPU and compare it bit for
+// bit with kvstream/quant/reference.py (fp8.cu) and a torch reference (blockcopy.cu). The test
+// builds one translation unit per source:
 //     #include "prelude.h" / fp8.cu with its PTX asm() rewritten to kvs_emu_cvt_*() / "tail.h"
+//     #include "prelude.h" / blockcopy.cu
 //
 // Emulated:
 //   - every CUDA thread of a block is a fiber (ucontext) with its own stack; threadIdx,
@@ -136,7 +138,8 @@ static void kvs_emu_entry() {
 static long long kvs_emu_args[16];
 static void* kvs_emu_kernel;
 
-// Every parameter of fp8.cu's kernels is 64 bits wide (a pointer or kvs_i64), so a kernel is
+// Every parameter of fp8.cu's and blockcopy.cu's kernels is 64 bits wide (a pointer or kvs_i64
+// / kvs_u64), so a kernel is
 // called as a function of N long longs (the same registers / stack slots on LP64).
 // A fresh fiber for thread t (out of line: getcontext "returns twice" to the compiler).
 __attribute__((noinline)) static void kvs_emu_start(unsigned t) {

@@ -1,0 +1,258 @@
+"""The socket half of the TCP data plane: addresses, framing, one connection's I/O.
+
+A frame is ``HEADER`` (magic, flags, 64-bit tag, 64-bit length, little endian) and then
+exactly ``length`` payload bytes. Everything here is blocking socket code meant to run
+on threads: CPython releases the GIL inside ``sendmsg`` and ``recv_into``, so the kernel
+copies straight between the socket and the caller's buffer while the event loop runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+import select
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
+
+__all__ = ["HEADER", "IOV_MAX", "MAGIC", "Conn", "TcpLimits", "byte_view",
+           "byte_views", "check_tcp_address", "format_address", "limit", "parse_address",
+           "tune"]
+
+MAGIC: Final = 0x3154_564B  # b"KVT1" read as little-endian u32
+HEADER: Final = struct.Struct("<IIQQ")  # magic, flags (0), tag, payload length
+MAX_ADDRESS_BYTES: Final = 64  # "tcp:[" + the longest IPv6 literal + "]:65535" fits
+_PREFIX: Final = b"tcp:"
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
+_DISCARD_CHUNK: Final = 256 * 1024
+IOV_MAX: Final = 1024  # buffers per sendmsg / recvmsg_into (Linux's UIO_MAXIOV)
+# A peer host that vanished without a FIN would hold its reader thread and a connection
+# slot for ever; keepalive probes of idle connections end those within about a minute.
+_KEEPALIVE: Final = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+
+
+@dataclass(frozen=True)
+class TcpLimits:
+    """The bounds that keep a peer (honest, late or forged) from growing our memory,
+    threads or fds without limit; defaults suit a few dozen peers."""
+
+    max_connections: int = 256  # accepted connections held at once; more are closed
+    max_frame_bytes: int = 1 << 30  # a longer announced frame closes its connection
+    unexpected_message_bytes: int = 8 * 1024  # larger unexpected frames are read and dropped
+    unexpected_messages: int = 4096
+    unexpected_bytes: int = 4 << 20
+    connect_timeout_s: float = 5.0
+    # SO_SNDBUF / SO_RCVBUF; None keeps Linux's autotuning, which a fixed size turns off.
+    socket_buffer_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        counts = (self.max_connections, self.max_frame_bytes, self.unexpected_messages)
+        buffer = self.socket_buffer_bytes
+        if min(counts) < 1 or min(self.unexpected_message_bytes, self.unexpected_bytes) < 0 \
+                or not self.connect_timeout_s > 0 or (buffer is not None and buffer < 1):
+            raise ConfigError(f"TCP limits must be positive: {self}")
+
+
+def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
+    """The raw bytes of a numpy array, CPU torch tensor, bytes or memoryview, uncopied."""
+    if type(buf) is not np.ndarray:  # numpy first and fast: a vectored layer has many
+        if hasattr(buf, "__cuda_array_interface__") or getattr(buf, "is_cuda", False):
+            raise DataPlaneError("the TCP transport moves CPU memory only")
+        if hasattr(buf, "numpy") and hasattr(buf, "detach"):  # torch, bfloat16 included
+            import torch
+
+            tensor = buf.detach()
+            if not tensor.is_contiguous():
+                raise DataPlaneError("TCP transport buffers must be contiguous")
+            buf = tensor.reshape(-1).view(torch.uint8).numpy()
+    try:
+        view = memoryview(buf).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise DataPlaneError(f"not a contiguous CPU buffer: {exc}") from exc
+    if writable and view.readonly:
+        raise DataPlaneError("cannot receive into read-only memory")
+    return view
+
+
+def byte_views(buf: Any, *, writable: bool = False) -> list[memoryview]:
+    """``byte_view`` of one buffer, or of each of a list or tuple of them: one message
+    laid over all of them in order (``TcpTransport.vectored``)."""
+    if isinstance(buf, list | tuple):
+        return [byte_view(b, writable=writable) for b in buf]
+    return [byte_view(buf, writable=writable)]
+
+
+def _skip(parts: list[memoryview], i: int, n: int) -> int:
+    """Past ``n`` more bytes from ``parts[i]`` on (and past empty parts): the index of the
+    first part with bytes left, which is cut down to them."""
+    while i < len(parts) and n >= len(parts[i]):
+        n -= len(parts[i])
+        i += 1
+    if n:
+        parts[i] = parts[i][n:]
+    return i
+
+
+def limit(parts: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``parts``."""
+    out = []
+    for p in parts:
+        if n <= 0:
+            break
+        out.append(p[:n])
+        n -= len(out[-1])
+    return out
+
+
+def parse_address(address: bytes) -> tuple[str, int]:
+    """(host, port) of ``tcp:<IPv4>:<port>`` or ``tcp:[<IPv6>]:<port>``; ``ProtocolError``
+    for anything else (the address comes from the network)."""
+    if not isinstance(address, bytes) or len(address) > MAX_ADDRESS_BYTES \
+            or not address.startswith(_PREFIX):
+        raise ProtocolError(f"not a kvstream TCP address: {bytes(address)[:MAX_ADDRESS_BYTES]!r}")
+    try:
+        text = address[len(_PREFIX):].decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"TCP address is not ASCII: {address!r}") from exc
+    bracketed = text.startswith("[")
+    host, sep, port = text[1:].partition("]:") if bracketed else text.partition(":")
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
+        raise ProtocolError(f"TCP address needs <host>:<port 1..65535>: {address!r}")
+    try:
+        ip = ipaddress.ip_address(host)  # refuses names, scopes stay textual: refused below
+    except ValueError as exc:
+        raise ProtocolError(f"TCP address host is not an IP literal: {address!r}") from exc
+    if bracketed != (ip.version == 6) or "%" in host or ip.is_unspecified or ip.is_multicast:
+        raise ProtocolError(f"TCP address host not usable as a peer: {address!r}")
+    return host, int(port)
+
+
+def check_tcp_address(address: bytes) -> bytes:
+    parse_address(address)
+    return address
+
+
+def format_address(host: str, port: int) -> bytes:
+    ip = ipaddress.ip_address(host)
+    text = f"[{ip}]" if ip.version == 6 else str(ip)
+    return b"tcp:" + f"{text}:{port}".encode()
+
+
+def tune(sock: socket.socket, limits: TcpLimits) -> None:
+    """Nagle off (a header must not wait behind an ACK), keepalive on; buffers only where
+    asked."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            if hasattr(socket, name):  # Linux names; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if limits.socket_buffer_bytes is not None:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):  # capped by net.core.[rw]mem_max
+                sock.setsockopt(socket.SOL_SOCKET, opt, limits.socket_buffer_bytes)
+
+
+class Conn:
+    """One socket whose fd is closed only after its last user let go: shutting it down
+    wakes a blocked reader or sender at once, but closing the fd under a thread still
+    inside a syscall could let a newly opened socket reuse the number and receive its
+    bytes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._users = 1  # the owner's reference, dropped by shutdown()
+        self._down = False
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLRDHUP)
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._down:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.sock.close()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._down:
+                return
+            self._down = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+        self.release()
+
+    def peer_closed(self) -> bool:
+        """Did the peer close or reset this send-only connection? (poll, not a peeking
+        recv: that waits for the socket lock a concurrent sendmsg holds.)"""
+        if not self.acquire():
+            return True
+        try:
+            return bool(self._poll.poll(0))  # only hang-up, reset and error report
+        finally:
+            self.release()
+
+    def try_send(self, parts: list[memoryview]) -> int:
+        """What the kernel takes now without blocking (from the event loop)."""
+        if not self.acquire():
+            raise ConnectionAbortedError("connection closed")
+        try:
+            return self.sock.sendmsg(parts[:IOV_MAX], (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        finally:
+            self.release()
+
+    def send_rest(self, parts: list[memoryview], sent: int) -> None:
+        """Send ``parts`` from byte ``sent`` on, blocking (a worker thread)."""
+        parts = list(parts)
+        i = _skip(parts, 0, sent)
+        while i < len(parts):
+            i = _skip(parts, i, self.sock.sendmsg(parts[i:i + IOV_MAX]))
+
+    def recv_views(self, views: list[memoryview]) -> int:
+        """Fill ``views`` in order; how many bytes arrived before EOF (all normally).
+        MSG_WAITALL: one wake-up per call, not one per segment."""
+        views, got, i = list(views), 0, 0
+        while i < len(views):
+            if len(views) - i == 1:
+                n = self.sock.recv_into(views[i], len(views[i]), socket.MSG_WAITALL)
+            else:
+                n = self.sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            if n == 0:
+                break
+            got += n
+            i = _skip(views, i, n)
+        return got
+
+    def recv_exact(self, view: memoryview) -> int:
+        return self.recv_views([view])
+
+    def discard(self, nbytes: int) -> bool:
+        """Read ``nbytes`` into a bounded scratch and drop them; False on EOF first."""
+        view = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK)))
+        while nbytes:
+            chunk = min(nbytes, len(view))
+            if self.recv_exact(view[:chunk]) < chunk:
+                return False
+            nbytes -= chunk
+        return True

@@ -1,0 +1,300 @@
+"""The receiving side of the TCP data plane: the listener, one reader thread per accepted
+connection, and the tag table those threads and the event loop share.
+
+Tag rules as with UCX and the loopback (dataplane.tcp explains the bounds and why).
+A receive taken out of the table by a reader is being written into: nobody else may
+complete it; if its frame is cut short it goes back to the head of its tag's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import anyio
+
+from kvstream._exceptions import DataPlaneError
+from kvstream.dataplane.tcp_conn import HEADER, MAGIC, Conn, TcpLimits, limit, tune
+
+__all__ = ["Inbox", "TcpRecv", "TcpStatistics"]
+
+JOIN_S: Final = 5.0  # close() waits this long for the threads to end
+
+
+@dataclass(frozen=True)
+class TcpStatistics:
+    accepted: int  # connections accepted since open
+    refused: int  # closed at once: max_connections were open
+    connections: int  # accepted connections open now
+    bad_frames: int  # connections closed for a bad magic, flags or length
+    truncated: int  # receives failed by a longer frame
+    dropped_unread: int  # unexpected frames dropped: too large, or no room to wait
+    waiting: int  # unexpected messages waiting for a receive
+    waiting_bytes: int
+
+
+class TcpRecv:
+    """A posted receive; ``nbytes`` is what its message wrote (0 for a drain)."""
+
+    def __init__(self, views: list[memoryview], tag: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.tag = tag
+        self.nbytes = 0
+        self._views = views  # one message fills them in order
+        self._capacity = sum(len(v) for v in views)
+        self._loop = loop
+        self._done = anyio.Event()
+        self._completed = False
+        self._error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self._completed
+
+    async def wait(self) -> None:
+        await self._done.wait()
+        if self._error is not None:
+            raise DataPlaneError(f"TCP receive (tag {self.tag:#x}) failed: {self._error}")
+
+    def _finish(self, nbytes: int, error: str | None = None) -> None:
+        """Once, from any thread, by whoever took it out of the table."""
+        self.nbytes, self._error, self._completed = nbytes, error, True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits now
+            self._loop.call_soon_threadsafe(self._done.set)
+
+    def _truncate(self, length: int) -> None:
+        self._finish(0, f"message truncated: {length} bytes for a {self._capacity}-byte buffer")
+
+    def _fill(self, data: bytearray) -> None:
+        if len(data) > self._capacity:
+            self._truncate(len(data))
+            return
+        offset = 0
+        for view in limit(self._views, len(data)):
+            view[:] = data[offset:offset + len(view)]
+            offset += len(view)
+        self._finish(len(data))
+
+
+class Inbox:
+    """What arrives at one listening socket, matched against the receives posted here."""
+
+    def __init__(self, listener: socket.socket, limits: TcpLimits,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.limits = limits
+        self.loop = loop
+        self._listener = listener
+        self._lock = threading.Lock()  # everything below; reader threads share it
+        self._posted: dict[int, deque[TcpRecv]] = {}
+        self._unexpected: dict[int, deque[bytearray]] = {}
+        self._waiting = self._waiting_bytes = 0
+        self._incoming: dict[Conn, threading.Thread] = {}
+        self._accepted = self._refused = self._bad_frames = self._truncated = 0
+        self.dropped_unread = 0
+        self.closed = False
+        self._name = f"kvstream-tcp-{listener.getsockname()[1]}"
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"{self._name}-accept")
+        self._acceptor.start()
+
+    def statistics(self) -> TcpStatistics:
+        with self._lock:
+            return TcpStatistics(self._accepted, self._refused, len(self._incoming),
+                                 self._bad_frames, self._truncated, self.dropped_unread,
+                                 self._waiting, self._waiting_bytes)
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise DataPlaneError(f"TCP transport {what} is closed")
+
+    def post(self, recv: TcpRecv, what: str) -> None:
+        with self._lock:
+            self.check_open(what)
+            data = self._pop_waiting(recv.tag)
+            if data is None:
+                self._posted.setdefault(recv.tag, deque()).append(recv)
+                return
+        recv._fill(data)
+
+    def drain(self, tag: int, what: str) -> None:
+        """The oldest posted receive completes unwritten; with none free, a zero-byte
+        message waits instead (UCX's self-send would): it completes the receive a reader
+        holds if that one's frame is cut short and comes back."""
+        with self._lock:
+            self.check_open(what)
+            recv = self._claim(tag)
+            if recv is None:
+                self._keep(tag, bytearray())
+        if recv is not None:
+            recv._finish(0)
+
+    def sweep(self, is_live: Callable[[int], bool], max_messages: int) -> int:
+        with self._lock:
+            tags = list(self._unexpected)
+        dead = [tag for tag in tags if not is_live(tag)]  # not under our lock: foreign code
+        dropped = 0
+        with self._lock:
+            for tag in dead:
+                while dropped < max_messages and self._pop_waiting(tag) is not None:
+                    dropped += 1
+        return dropped
+
+    def close(self) -> None:
+        """Fail posted receives and stop every thread (blocking, bounded: a worker thread)."""
+        with self._lock:
+            self.closed = True
+            posted = [recv for queue in self._posted.values() for recv in queue]
+            self._posted.clear()
+            self._unexpected.clear()
+            self._waiting = self._waiting_bytes = 0
+        for recv in posted:
+            recv._finish(0, "transport closed")
+        deadline = time.monotonic() + JOIN_S
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (Linux)
+        self._acceptor.join(JOIN_S)
+        self._listener.close()
+        with self._lock:
+            incoming = list(self._incoming.items())
+        for conn, _ in incoming:
+            conn.shutdown()
+        for _, thread in incoming:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # --- the table (lock held) ---------------------------------------------------------
+
+    def _claim(self, tag: int) -> TcpRecv | None:
+        queue = self._posted.get(tag)
+        if not queue:
+            return None
+        recv = queue.popleft()
+        if not queue:
+            del self._posted[tag]
+        return recv
+
+    def _pop_waiting(self, tag: int) -> bytearray | None:
+        queue = self._unexpected.get(tag)
+        if not queue:
+            return None
+        data = queue.popleft()
+        if not queue:
+            del self._unexpected[tag]
+        self._waiting -= 1
+        self._waiting_bytes -= len(data)
+        return data
+
+    def _keep(self, tag: int, data: bytearray) -> None:
+        limits = self.limits
+        if self._waiting >= limits.unexpected_messages or \
+                self._waiting_bytes + len(data) > limits.unexpected_bytes:
+            self.dropped_unread += 1
+            return
+        self._unexpected.setdefault(tag, deque()).append(data)
+        self._waiting += 1
+        self._waiting_bytes += len(data)
+
+    # --- threads ----------------------------------------------------------------------
+
+    def _repost(self, recv: TcpRecv) -> None:
+        with self._lock:
+            data = None if self.closed else self._pop_waiting(recv.tag)
+            if data is None and not self.closed:
+                self._posted.setdefault(recv.tag, deque()).appendleft(recv)
+                return
+        if data is None:
+            recv._finish(0, "transport closed")
+        else:
+            recv._fill(data)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.05)  # out of fds, or an aborted handshake: try again
+                continue
+            tune(sock, self.limits)
+            conn = Conn(sock)
+            conn.acquire()  # the reader's own reference
+            thread = threading.Thread(target=self._read_loop, args=(conn,), daemon=True,
+                                      name=f"{self._name}-read")
+            with self._lock:
+                admit = not self.closed and len(self._incoming) < self.limits.max_connections
+                if admit:
+                    self._incoming[conn] = thread
+                    self._accepted += 1
+                else:
+                    self._refused += 1
+            if admit:
+                thread.start()
+            else:
+                conn.shutdown()
+                conn.release()
+
+    def _read_loop(self, conn: Conn) -> None:
+        head = bytearray(HEADER.size)
+        view = memoryview(head)
+        try:
+            while conn.recv_exact(view) == len(view):
+                magic, flags, tag, length = HEADER.unpack(head)
+                if magic != MAGIC or flags or length > self.limits.max_frame_bytes:
+                    with self._lock:
+                        self._bad_frames += 1
+                    return
+                if not self._read_frame(conn, tag, length):
+                    return
+        except OSError:
+            return  # reset, or shut down by close(): this connection only
+        finally:
+            conn.shutdown()
+            conn.release()
+            with self._lock:
+                self._incoming.pop(conn, None)
+
+    def _read_frame(self, conn: Conn, tag: int, length: int) -> bool:
+        """One frame's payload; False if the connection ended inside it."""
+        with self._lock:
+            recv = self._claim(tag)
+        if recv is None:
+            return self._read_unexpected(conn, tag, length)
+        if length > recv._capacity:
+            with self._lock:
+                self._truncated += 1
+            recv._truncate(length)
+            return conn.discard(length)
+        try:
+            views = recv._views if length == recv._capacity else limit(recv._views, length)
+            got = conn.recv_views(views)
+        except BaseException:
+            self._repost(recv)
+            raise
+        if got < length:
+            self._repost(recv)
+            return False
+        recv._finish(length)
+        return True
+
+    def _read_unexpected(self, conn: Conn, tag: int, length: int) -> bool:
+        if length > self.limits.unexpected_message_bytes:
+            with self._lock:
+                self.dropped_unread += 1
+            return conn.discard(length)
+        data = bytearray(length)
+        if conn.recv_exact(memoryview(data)) < length:
+            return False
+        with self._lock:
+            recv = self._claim(tag)  # posted while the payload arrived
+            if recv is None:
+                self._keep(tag, data)
+                return True
+        recv._fill(data)
+        return True

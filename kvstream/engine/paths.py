@@ -1,0 +1,192 @@
+"""The agent's data-plane paths: what it offers peers, which one a transfer takes.
+
+The destination picks (``choose``: it knows whether it could map the source's memory);
+the source checks the pick against what it offers that peer (``refusal``). Both record
+the path on the transfer (``Transfer.path``: result, statistics, span).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvstream import shm
+from kvstream._exceptions import KVStreamError, LayoutError, ProtocolError
+from kvstream.dataplane.paths import choose, host_identity, label, rdma_present
+from kvstream.dataplane.peermem import MappedSource, PeerKV, PeerMaps
+
+if TYPE_CHECKING:
+    from kvstream.config import AgentConfig
+    from kvstream.control.registry import Registry
+    from kvstream.dataplane.transport import Transport
+    from kvstream.memory import RegisteredKV
+    from kvstream.transfer.state import Transfer
+
+__all__ = ["Choice", "DataPaths"]
+
+log = logging.getLogger("kvstream.agent")
+
+
+class Choice:
+    """A destination's pick: the path, and the source's mapped memory if it is ``shm``."""
+
+    def __init__(self, path: str, maps: PeerMaps, kv: PeerKV | None, tcp: bytes) -> None:
+        self.path, self.tcp = path, tcp
+        self._maps, self._kv = maps, kv
+
+    def holds(self, secrets: list[bytes]) -> bool:
+        """Does the mapped source hold these segment secrets (the sender owns it)?"""
+        return self._kv is not None and self._kv.holds(secrets)
+
+    def refusal(self, src_ids: list[int]) -> str | None:
+        """Why the source's block ids cannot be read from its mapped memory, if so."""
+        if self._kv is None:
+            return None
+        n = self._kv.export.num_blocks
+        bad = [b for b in src_ids if not 0 <= b < n]
+        return f"source block ids {bad[:8]} outside {n} shared blocks" if bad else None
+
+    def source(self, src_ids: list[int], mem: RegisteredKV) -> MappedSource | None:
+        """The stream's reads out of the mapped source (it releases the mapping when its
+        transfer ends); ``LayoutError`` if the ids are outside the source's blocks."""
+        kv, self._kv = self._kv, None
+        if kv is None:
+            return None
+        try:
+            return MappedSource(self._maps, kv, src_ids, planes=mem.planes,
+                                chunk_bytes=mem.layout.chunk_bytes)
+        except LayoutError:
+            self._maps.release(kv)
+            raise
+
+    def release(self) -> None:
+        kv, self._kv = self._kv, None
+        if kv is not None:
+            self._maps.release(kv)
+
+
+class DataPaths:
+    def __init__(self, config: AgentConfig, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        self.host = host_identity(config.host_id)
+        self.maps = PeerMaps()
+        self.tcp: Transport | None = None
+        self.shared: shm.SharedExport | None = None
+        self.device = "cpu"
+
+    @property
+    def tcp_address(self) -> bytes:
+        """Offered for host KV only (the socket moves host memory; device KV takes UCX)."""
+        if self.tcp is None or self.device != "cpu":
+            return b""
+        return self.tcp.address
+
+    def register(self, mem: RegisteredKV) -> None:
+        """Export the memory to same-host peers if it lives in shared segments."""
+        self.shared = None
+        self.device = mem.device.type
+        if "shm" in self.config.paths and mem.device.type == "cpu":
+            self.shared = shm.export(mem.layers, mem.num_blocks)
+        if mem.device.type == "cuda" and not rdma_present():
+            log.warning("%s: device KV registered on a host without RDMA devices: transfers "
+                        "to other hosts go over UCX's TCP transport (staged through host "
+                        "memory, a fraction of the link's speed)", self.config.instance_id)
+
+    def secrets(self) -> list[bytes]:
+        """Our segments' secrets, for the manifests of peers we transfer with."""
+        return shm.secrets_of(self.shared) if self.shared is not None else []
+
+    def unregister(self) -> None:
+        self.shared = None
+
+    def same_host(self, peer_host: str) -> bool:
+        return bool(self.host) and peer_host == self.host
+
+    def check_tcp(self, peer: str, address: bytes) -> bytes:
+        """A peer's TCP data address, refused unless well-formed and the one it announces."""
+        if self.tcp is None or not address:
+            return b""
+        self.tcp.check_address(address)
+        info = self.registry.get(peer)
+        if info is not None and info.announce is not None and info.announce.tcp != address:
+            raise ProtocolError(f"{peer} names another TCP address than it announces")
+        return address
+
+    async def choose(self, *, peer: str, peer_host: str, peer_tcp: bytes,
+                     peer_shared: shm.SharedExport | None, mem: RegisteredKV,
+                     codec: str, peer_secrets: list[bytes] | None = None) -> Choice:
+        """The path into this destination (mapping the source's memory first if it may be
+        ``shm``: blocking the first time, so on a thread). Release the choice unless a
+        stream took its source (``Choice.source``)."""
+        same = self.same_host(peer_host)
+        kv: PeerKV | None = None
+        if same and codec == "none" and peer_shared is not None and "shm" in self.config.paths \
+                and mem.device.type == "cpu":
+            try:
+                kv = await anyio.to_thread.run_sync(
+                    self.maps.acquire, peer_shared,
+                    peer_shared.num_blocks * mem.layout.block_bytes, mem.layout.num_layers)
+            except KVStreamError as exc:
+                log.info("%s's KV cannot be mapped here (%s): not reading it directly",
+                         peer, exc)
+            else:
+                if peer_secrets is not None and not kv.holds(peer_secrets):
+                    # Someone else's memory, named by this peer: never read it for them.
+                    log.warning("%s names shared KV it does not hold: not reading it", peer)
+                    self.maps.release(kv)
+                    kv = None
+        try:
+            tcp = self.check_tcp(peer, peer_tcp)
+        except ProtocolError:
+            tcp = b""
+        path = choose(self.config.paths, same_host=same, device=mem.device.type, codec=codec,
+                      can_map=kv is not None, peer_tcp=bool(tcp),
+                      own_tcp=bool(self.tcp_address))
+        if path != "shm" and kv is not None:
+            self.maps.release(kv)
+            kv = None
+        return Choice(path, self.maps, kv, tcp)
+
+    def refusal(self, path: str, *, peer: str, peer_tcp: bytes, codec: str) -> str | None:
+        """Why this source will not send to ``peer`` on ``path`` (None: it will)."""
+        if path not in self.config.paths:
+            return f"path {path!r} is not one this instance offers ({', '.join(self.config.paths)})"
+        # A peer on another host cannot open our segments: no same-host check needed here.
+        if path == "shm" and (self.shared is None or codec != "none"):
+            return "shm needs codec 'none' and KV in shared memory here"
+        if path == "cuda_ipc":
+            return "cuda_ipc is not offered by this instance"
+        if path == "tcp":
+            if not self.tcp_address:
+                return "tcp is offered for host KV only"
+            try:
+                if not self.check_tcp(peer, peer_tcp):
+                    return "tcp needs a TCP data address on both ends"
+            except ProtocolError as exc:
+                return str(exc)
+        return None
+
+    def transport(self, path: str, base: Transport) -> Transport:
+        if path == "tcp":
+            assert self.tcp is not None  # checked by choose / refusal
+            return self.tcp
+        return base
+
+    def record(self, transfer: Transfer, path: str, peer_host: str) -> None:
+        transfer.path = label(path, same_host=self.same_host(peer_host))
+
+    def forget(self, shared: shm.SharedExport | None) -> None:
+        """A peer is gone: its mappings go once no transfer reads them."""
+        if shared is not None:
+            self.maps.drop(shared.pid)
+
+    def prune(self, live_pids: set[int]) -> None:
+        """Unmap (once unused) the KV of processes no live peer announces: a silent peer's
+        pages would otherwise stay alive through our mapping."""
+        self.maps.drop_except(live_pids)
+
+    def close(self) -> None:
+        self.maps.drop()
