@@ -185,6 +185,7 @@ def test_a_segment_proves_its_owner_by_its_secret() -> None:
     assert not peer.holds([bytes(shm.SECRET_BYTES)])
     assert not peer.holds([])
     assert not peer.holds([mine[0][:-1]])
-    other, other_ex = _shared(8)
-    assert shm.secrets_of(other_ex) != mine  # one secret per segment
+    _other, other_ex = _shared(8)  # kept alive: its segment stays listed
+    theirs = shm.secrets_of(other_ex)
+    assert len(theirs[0]) == shm.SECRET_BYTES and theirs != mine  # one secret per segment
     maps.release(peer)
