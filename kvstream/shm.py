@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import itertools
 import mmap
 import os
@@ -34,15 +36,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["SEALS", "Segment", "SharedExport", "SharedKV", "SharedKVSpec", "export", "find",
-           "open_segment", "secrets_of"]
+           "open_segment", "proof_context", "proofs_of", "segment_proof"]
 
 # Sealed against size changes (a shrink would turn a peer's read into SIGBUS).
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MAX_SEGMENTS = 64
-# After the KV, one page holding the segment's secret: 32 random bytes its owner tells
-# only the peers it transfers with (``Manifest.src_secrets``). The export itself is
-# announced to everyone, so the secret is what proves a manifest's sender holds the
-# segment (not another tenant naming someone else's KV for a destination to copy).
+# After the KV, one page holding the segment's secret: 32 random bytes that never leave
+# the processes mapping the segment. The export is announced to everyone, so a manifest
+# proves its sender holds the segment with HMAC(secret, sender | destination | transfer)
+# (``Manifest.src_secrets``): not another tenant naming someone else's KV for a
+# destination to copy, nor a destination replaying a proof to a third agent.
 SECRET_BYTES = 32
 TRAILER = 4096
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
@@ -111,7 +114,12 @@ def open_segment(pid: int, seg: Segment, *, writable: bool) -> int:
     was said to be (inode, size, seals). ``LayoutError`` if not."""
     path = f"/proc/{pid}/fd/{seg.fd}"
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        # What it names, before opening it: a FIFO or device could block the open.
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != seg.inode or st.st_size != seg.size:
+            raise LayoutError(f"{path} is not the segment announced")
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+                     | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as exc:
         raise LayoutError(f"cannot open {path}: {exc.strerror}") from exc
     try:
@@ -216,11 +224,21 @@ def find(address: int, nbytes: int) -> tuple[Segment, int] | None:
     return None
 
 
-def secrets_of(shared: SharedExport) -> list[bytes]:
-    """The secrets of this process's segments in ``shared`` (what its manifests carry)."""
+def segment_proof(secret: bytes, context: bytes) -> bytes:
+    return hmac.new(secret, context, hashlib.sha256).digest()
+
+
+def proof_context(src: str, dst: str, transfer_id: str) -> bytes:
+    """What a proof is bound to: one sender, one destination, one transfer."""
+    return "\0".join((src, dst, transfer_id)).encode()
+
+
+def proofs_of(shared: SharedExport, context: bytes) -> list[bytes]:
+    """Proofs that this process holds the segments of ``shared`` (``segment_proof``)."""
     with _lock:
         known = {m.segment: m.secret for m in _mapped.values()}
-    return [known.get(seg, b"") for seg in shared.segments]
+    return [segment_proof(known[seg], context) if seg in known else b""
+            for seg in shared.segments]
 
 
 def export(layers: Sequence[torch.Tensor], num_blocks: int) -> SharedExport | None:

@@ -165,8 +165,8 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     src_host: HostId = ""
     src_tcp: TcpAddress = b""
     src_shared: SharedExport | None = None
-    # The secrets in the trailers of src_shared's segments: told only to this destination,
-    # they prove the sender holds the memory it names (shm.py).
+    # Proofs that the sender holds src_shared's segments, bound to this sender, destination
+    # and transfer (shm.segment_proof).
     src_secrets: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=64)]],
                            msgspec.Meta(max_length=64)] = []
 

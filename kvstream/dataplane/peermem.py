@@ -5,9 +5,9 @@ The destination of a same-host transfer maps the source's sealed segments
 into its own (one copy, no staging on either side). Reading, not writing: no peer ever
 holds a writable view of another's KV, and the destination writes only into blocks it
 validated itself. A mapping is checked before use (inode, size, seals: a segment that
-could shrink could kill the reader with SIGBUS), populated when it is made (no page
-faults under a transfer), counted while transfers use it, and unmapped once the peer is
-gone and nothing uses it.
+could shrink could kill the reader with SIGBUS) and the sender's proof that it holds the
+segment, counted while transfers use it, and unmapped once the peer is gone and nothing
+uses it.
 """
 
 from __future__ import annotations
@@ -18,18 +18,26 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
 
 from kvstream._exceptions import LayoutError
-from kvstream.shm import SECRET_BYTES, TRAILER, Segment, SharedExport, open_segment
+from kvstream.shm import (
+    SECRET_BYTES,
+    TRAILER,
+    Segment,
+    SharedExport,
+    open_segment,
+    segment_proof,
+)
 
 __all__ = ["PeerKV", "PeerMaps"]
 
 log = logging.getLogger("kvstream.transfer")
 
-MAX_MAPPED_BYTES: Final = 1 << 42  # address space only: the pages are the peer's
+MAX_MAPPED_BYTES: Final = 1 << 40  # address space: the pages are the peer's
 
 
 class PeerKV:
@@ -51,14 +59,16 @@ class PeerKV:
     def layer(self, i: int) -> int:
         return self._layers[i]
 
-    def holds(self, secrets: list[bytes]) -> bool:
-        """Do the segments' trailers hold these secrets (the sender owns them)?"""
-        if len(secrets) != len(self._maps):
+    def holds(self, proofs: list[bytes], context: bytes) -> bool:
+        """Does the sender hold these segments? Each proof is HMAC(the segment's secret,
+        ``context``): bound to one sender, destination and transfer, so a destination that
+        saw one cannot use it to name the segments to anyone else."""
+        if len(proofs) != len(self._maps):
             return False
-        for mm, secret in zip(self._maps, secrets, strict=True):
+        for mm, proof in zip(self._maps, proofs, strict=True):
             start = len(mm) - TRAILER
-            if len(secret) != SECRET_BYTES or \
-                    not hmac.compare_digest(mm[start:start + SECRET_BYTES], secret):
+            want = segment_proof(bytes(mm[start:start + SECRET_BYTES]), context)
+            if not hmac.compare_digest(want, proof):
                 return False
         return True
 
@@ -70,7 +80,9 @@ class PeerKV:
 
 
 def _key(export: SharedExport) -> tuple[object, ...]:
-    return (export.pid, tuple(export.segments))
+    # The whole export: two that name the same segments with other layer offsets are two
+    # mappings (one must not hand its offsets to the other's transfers).
+    return (export.pid, export.num_blocks, tuple(export.segments), tuple(export.layers))
 
 
 class PeerMaps:
@@ -79,50 +91,89 @@ class PeerMaps:
     def __init__(self, max_bytes: int = MAX_MAPPED_BYTES, max_peers: int = 256) -> None:
         self.max_bytes = max_bytes
         self.max_peers = max_peers
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # never held across a system call that may block
         self._maps: dict[tuple[object, ...], PeerKV] = {}
+        self._live: set[PeerKV] = set()  # mapped, cached or retired but still read
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(p.nbytes for p in self._maps.values())
+        with self._lock:
+            return sum(p.nbytes for p in self._live)
 
-    def acquire(self, export: SharedExport, layer_bytes: int, num_layers: int) -> PeerKV:
+    def acquire(self, export: SharedExport, layer_bytes: int, num_layers: int,
+                proofs: list[bytes] | None = None, context: bytes = b"") -> PeerKV:
         """The peer's KV mapped (made now if need be: blocking, run it off the event loop),
-        counted as used until ``release``. ``LayoutError`` if it cannot be mapped or does
-        not hold ``num_layers`` layers of ``layer_bytes``."""
+        counted as used until ``release``. With ``proofs``: only if the sender holds the
+        segments (``PeerKV.holds``). ``LayoutError`` if it cannot be mapped, is not the
+        sender's, or does not hold ``num_layers`` layers of ``layer_bytes``."""
         if len(export.layers) != num_layers or export.num_blocks <= 0:
             raise LayoutError(f"the peer's shared KV has {len(export.layers)} layers, "
                               f"the transfer {num_layers}")
+        used = {seg for seg, _ in export.layers}
+        if used != set(range(len(export.segments))):
+            raise LayoutError("the peer's shared KV names segments no layer uses")
         for seg, offset in export.layers:
             if seg >= len(export.segments) or \
                     offset + layer_bytes > export.segments[seg].size - TRAILER:
                 raise LayoutError("the peer's shared KV names a layer outside its segments")
         key = _key(export)
+        size = sum(s.size for s in export.segments)
         with self._lock:
             kv = self._maps.get(key)
             if kv is not None and kv.layer_bytes == layer_bytes:
                 kv.users += 1
-                return kv
-            size = sum(s.size for s in export.segments)
-            if len(self._maps) >= self.max_peers or self.mapped_bytes + size > self.max_bytes:
-                self._evict_idle()
-            if len(self._maps) >= self.max_peers or self.mapped_bytes + size > self.max_bytes:
-                raise LayoutError(f"too much peer KV mapped already ({self.mapped_bytes} B)")
-            kv = PeerKV(export, layer_bytes, [self._map(export.pid, s) for s in export.segments])
-            if (old := self._maps.pop(key, None)) is not None:
-                self._retire(old)
+            else:
+                kv = None
+                if len(self._maps) >= self.max_peers or \
+                        sum(p.nbytes for p in self._live) + size > self.max_bytes:
+                    self._evict_idle()
+                if len(self._maps) >= self.max_peers or \
+                        sum(p.nbytes for p in self._live) + size > self.max_bytes:
+                    raise LayoutError("too much peer KV mapped already")
+        if kv is None:
+            kv = self._fresh(export, layer_bytes, key)
+        if proofs is not None and not kv.holds(proofs, context):
+            self.release(kv)
+            with self._lock:
+                if self._maps.get(key) is kv and kv.users == 0:
+                    self._retire(self._maps.pop(key))  # never kept for a forger
+            raise LayoutError("the sender does not hold the shared KV it names")
+        return kv
+
+    def _fresh(self, export: SharedExport, layer_bytes: int, key: tuple[object, ...]) -> PeerKV:
+        maps: list[mmap.mmap] = []
+        try:
+            for seg in export.segments:
+                maps.append(self._map(export.pid, seg))
+        except BaseException:
+            for mm in maps:
+                mm.close()
+            raise
+        kv = PeerKV(export, layer_bytes, maps)
+        with self._lock:
+            current = self._maps.get(key)
+            if current is not None and current.layer_bytes == layer_bytes:
+                kv.close()  # mapped meanwhile by another transfer: share that one
+                current.users += 1
+                return current
+            if current is not None:
+                self._retire(self._maps.pop(key))
             self._maps[key] = kv
+            self._live.add(kv)
             kv.users += 1
             return kv
 
     @staticmethod
     def _map(pid: int, seg: Segment) -> mmap.mmap:
+        if seg.size <= TRAILER:
+            raise LayoutError(f"a peer segment of {seg.size} bytes holds no KV")
         fd = open_segment(pid, seg, writable=False)
         try:
-            return mmap.mmap(fd, seg.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                             prot=mmap.PROT_READ)
-        except OSError as exc:
-            raise LayoutError(f"cannot map the peer's KV: {exc.strerror}") from exc
+            # No MAP_POPULATE: it would allocate the source's untouched pages (charged to
+            # us); a transfer faults in only the blocks it reads, once per mapping.
+            return mmap.mmap(fd, seg.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise LayoutError(f"cannot map the peer's KV: {exc}") from exc
         finally:
             os.close(fd)
 
@@ -130,7 +181,7 @@ class PeerMaps:
         with self._lock:
             kv.users -= 1
             if kv.users == 0 and kv.dropped:
-                kv.close()
+                self._close(kv)
 
     def drop(self, pid: int | None = None) -> None:
         """Forget the mappings of that process (all, if None): unmapped once unused."""
@@ -146,7 +197,11 @@ class PeerMaps:
     def _retire(self, kv: PeerKV) -> None:
         kv.dropped = True
         if kv.users == 0:
-            kv.close()
+            self._close(kv)
+
+    def _close(self, kv: PeerKV) -> None:
+        self._live.discard(kv)
+        kv.close()
 
     def _evict_idle(self) -> None:
         for key in [k for k, kv in self._maps.items() if kv.users == 0]:
@@ -180,12 +235,15 @@ class MappedSource:
         return ((np.arange(self.planes, dtype=np.int64)[:, None] * dst_num_blocks + ids[None, :])
                 * self.chunk).reshape(-1)
 
-    def copy_layer(self, layer: int, dst_ptr: int, dst_size: int, dst_off: np.ndarray) -> None:
-        """Blocking (a copy thread): the layer's source blocks into the destination."""
+    def copy_layer(self, layer: int, dst_ptr: int, dst_size: int, dst_off: np.ndarray,
+                   alive: Callable[[], bool] = lambda: True) -> None:
+        """Blocking (a copy thread): the layer's source blocks into the destination, unless
+        the transfer ended while this copy waited for a thread (the source may have its
+        blocks back by now: never read them then)."""
         from kvstream.dataplane.blockcopy import copy_blocks
 
-        if self._released:
-            raise LayoutError("the peer's mapping was released")
+        if self._released or not alive():
+            raise LayoutError("the transfer ended before its layer was read")
         copy_blocks(dst_ptr, dst_size, dst_off, self.kv.layer(layer), self.kv.layer_bytes,
                     self._src_off, self.chunk)
 

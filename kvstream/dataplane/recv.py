@@ -61,8 +61,10 @@ class RecvStream(Stream):
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
         self.single = source is None and \
             single_message_for(env.memory, src_contiguous, dst_run, t.codec, path)
-        # A byte-stream transport fills the reserved blocks where they lie: no scatter.
-        self.vectored = self.single and env.transport.vectored
+        # Never received straight into engine blocks over a byte stream: a frame whose
+        # header was read cannot be drained (UCX's can), so a late one could still write
+        # after the transfer ended and the engine reused the blocks. It lands in staging
+        # (quarantined if cut off) and is scattered; the sender still sends vectored.
         self._posted: dict[int, list[PostedReceive]] = {}
         self._posted_ns: dict[int, int] = {}  # when each layer's receive was posted (traces)
         self._slots: dict[int, torch.Tensor] = dict(staged_slots or {})
@@ -85,13 +87,6 @@ class RecvStream(Stream):
         """Post this layer's receives now; returns the buffer its header will land in."""
         mem, blocks, transport = self.env.memory, self.handle.blocks, self.env.transport
         self._posted_ns[layer] = time.time_ns()
-        if self.single and slot is None:  # vectored, into the reserved blocks
-            assert blocks is not None
-            hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
-            self._posted[layer] = [transport.post_recv(
-                [hdr, *mem.rows(layer, blocks)],
-                wire.make_tag(self.dst_tag, layer, wire.KIND_DATA))]
-            return hdr
         if self.single:
             assert slot is not None
             self._posted[layer] = [transport.post_recv(slot, wire.make_tag(self.dst_tag, layer,
@@ -146,7 +141,8 @@ class RecvStream(Stream):
             tensor = self._slots[layer]
             dst_off = src.dst_offsets(self.nblocks, None)
         await run_copy(src.copy_layer, layer, tensor.data_ptr(),
-                       tensor.numel() * tensor.element_size(), dst_off)
+                       tensor.numel() * tensor.element_size(), dst_off,
+                       lambda: self._outcome is None)
 
     async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
@@ -219,7 +215,7 @@ class RecvStream(Stream):
         env, h, t = self.env, self.handle, self.handle.transfer
         self._lands = lands
         direct = not self.prestaged and h.blocks is not None and self.codec is None and \
-            (h.blocks.contiguous_start is not None or self.source is not None or self.vectored)
+            (h.blocks.contiguous_start is not None or self.source is not None)
         window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)

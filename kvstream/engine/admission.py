@@ -140,9 +140,15 @@ class Admission:
             core.count("forbidden", int(refused[0] == "forbidden"))
             return reject(*refused)
         # Before the book is looked at: the first choice with a peer may map its memory.
+        # Only the memory the sender announces as its own is read (and only with its proof).
+        info = core.registry.get(msg.src)
+        announced = info.announce if info is not None else None
+        shared = msg.src_shared if announced is None or announced.shared == msg.src_shared \
+            else None
         choice = await core.paths.choose(peer=msg.src, peer_host=msg.src_host,
-                                         peer_tcp=msg.src_tcp, peer_shared=msg.src_shared,
-                                         mem=mem, codec=msg.codec, peer_secrets=msg.src_secrets)
+                                         peer_tcp=msg.src_tcp, peer_shared=shared,
+                                         mem=mem, codec=msg.codec, proofs=msg.src_secrets,
+                                         transfer_id=msg.transfer_id)
         try:
             if core.memory is not mem:
                 return reject("no_reservation", f"{core.instance_id}'s KV memory changed")

@@ -151,7 +151,7 @@ class Offers:
             lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [],
             path=path, src_host=core.paths.host, src_tcp=core.paths.tcp_address,
             src_shared=core.paths.shared if path == "shm" else None,
-            src_secrets=core.paths.secrets() if path == "shm" else [])
+            src_secrets=core.paths.proofs(msg.dst, t.transfer_id) if path == "shm" else [])
         core.registry.contact(msg.dst)
         if not handle.blocks:
             core.complete_empty(t)

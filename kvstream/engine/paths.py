@@ -36,9 +36,10 @@ class Choice:
         self.path, self.tcp = path, tcp
         self._maps, self._kv = maps, kv
 
-    def holds(self, secrets: list[bytes]) -> bool:
-        """Does the mapped source hold these segment secrets (the sender owns it)?"""
-        return self._kv is not None and self._kv.holds(secrets)
+    def holds(self, proofs: list[bytes], src: str, dst: str, transfer_id: str) -> bool:
+        """Does the sender hold the mapped source (``PeerKV.holds``)?"""
+        return self._kv is not None and \
+            self._kv.holds(proofs, shm.proof_context(src, dst, transfer_id))
 
     def refusal(self, src_ids: list[int]) -> str | None:
         """Why the source's block ids cannot be read from its mapped memory, if so."""
@@ -95,9 +96,12 @@ class DataPaths:
                         "to other hosts go over UCX's TCP transport (staged through host "
                         "memory, a fraction of the link's speed)", self.config.instance_id)
 
-    def secrets(self) -> list[bytes]:
-        """Our segments' secrets, for the manifests of peers we transfer with."""
-        return shm.secrets_of(self.shared) if self.shared is not None else []
+    def proofs(self, dst: str, transfer_id: str) -> list[bytes]:
+        """That we hold our segments, for one destination and transfer (``shm.proofs_of``)."""
+        if self.shared is None:
+            return []
+        return shm.proofs_of(self.shared, shm.proof_context(self.config.instance_id, dst,
+                                                            transfer_id))
 
     def unregister(self) -> None:
         self.shared = None
@@ -117,7 +121,8 @@ class DataPaths:
 
     async def choose(self, *, peer: str, peer_host: str, peer_tcp: bytes,
                      peer_shared: shm.SharedExport | None, mem: RegisteredKV,
-                     codec: str, peer_secrets: list[bytes] | None = None) -> Choice:
+                     codec: str, proofs: list[bytes] | None = None,
+                     transfer_id: str = "") -> Choice:
         """The path into this destination (mapping the source's memory first if it may be
         ``shm``: blocking the first time, so on a thread). Release the choice unless a
         stream took its source (``Choice.source``)."""
@@ -125,19 +130,16 @@ class DataPaths:
         kv: PeerKV | None = None
         if same and codec == "none" and peer_shared is not None and "shm" in self.config.paths \
                 and mem.device.type == "cpu":
+            context = shm.proof_context(peer, self.config.instance_id, transfer_id)
             try:
                 kv = await anyio.to_thread.run_sync(
                     self.maps.acquire, peer_shared,
-                    peer_shared.num_blocks * mem.layout.block_bytes, mem.layout.num_layers)
+                    peer_shared.num_blocks * mem.layout.block_bytes, mem.layout.num_layers,
+                    proofs, context)
             except KVStreamError as exc:
-                log.info("%s's KV cannot be mapped here (%s): not reading it directly",
-                         peer, exc)
-            else:
-                if peer_secrets is not None and not kv.holds(peer_secrets):
-                    # Someone else's memory, named by this peer: never read it for them.
-                    log.warning("%s names shared KV it does not hold: not reading it", peer)
-                    self.maps.release(kv)
-                    kv = None
+                # Not mappable here, or someone else's memory named by this peer: the
+                # transfer takes another path (the sender's own bytes then move).
+                log.info("%s's shared KV is not read here (%s)", peer, exc)
         try:
             tcp = self.check_tcp(peer, peer_tcp)
         except ProtocolError:

@@ -149,7 +149,8 @@ class Puller:
         if path != choice.path and path != "ucx":
             raise ProtocolError(f"{manifest.src} answered on path {path!r}, asked {choice.path!r}")
         if path == "shm":
-            if manifest.src_shared != mapped or not choice.holds(manifest.src_secrets):
+            if manifest.src_shared != mapped or not choice.holds(
+                    manifest.src_secrets, manifest.src, manifest.dst, manifest.transfer_id):
                 raise ProtocolError(f"{manifest.src}'s shared KV is not what it announced, "
                                     "or not its own")
             if (why := choice.refusal(manifest.src_blocks)) is not None:

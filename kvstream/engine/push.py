@@ -102,7 +102,8 @@ class Pusher:
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
             src_host=core.paths.host, src_tcp=core.paths.tcp_address,
             src_shared=core.paths.shared if wire_codec == "none" else None,
-            src_secrets=core.paths.secrets() if wire_codec == "none" else [],
+            src_secrets=core.paths.proofs(dst_instance, transfer.transfer_id)
+            if wire_codec == "none" else [],
         )
         reply: m.ControlUnion | None = None
         try:

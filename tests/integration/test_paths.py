@@ -126,7 +126,8 @@ async def test_shm_refused_by_config_falls_back_to_ucx(nats_server):
 
 async def test_a_manifest_naming_another_agents_memory_is_not_read(nats_server, monkeypatch):
     """A sender that names a same-host victim's shared KV (announced to everyone) without
-    its secret gets its own bytes moved over UCX; the victim's memory is never read."""
+    a proof that it holds it gets its own bytes moved over UCX; the victim's memory is
+    never read. (The sender announces the forged export too: no mismatch to catch.)"""
     lay = small_layout(layers=3)
     p, d = await _pair(nats_server, lay, 8)
     victim_kv = _shared(lay, 8, fill=False)
@@ -137,7 +138,7 @@ async def test_a_manifest_naming_another_agents_memory_is_not_read(nats_server, 
         forged = victim._core.paths.shared
         assert forged is not None
         monkeypatch.setattr(p._core.paths, "shared", forged)  # the victim's, announced
-        monkeypatch.setattr(p._core.paths, "secrets", lambda: [bytes(32)])
+        monkeypatch.setattr(p._core.paths, "proofs", lambda dst, tid: [bytes(32)])
         rx = d.expect("r", [1, 2])
         tx = await p.push("r", "d-shm", [3, 4])
         for layer in range(lay.num_layers):

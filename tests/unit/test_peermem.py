@@ -173,19 +173,59 @@ def test_host_identity() -> None:
     assert mine and mine == host_identity()
 
 
-def test_a_segment_proves_its_owner_by_its_secret() -> None:
-    """The export is public (announced); the trailer's secret is told only to transfer
-    peers, so a manifest naming someone else's segment cannot make a destination read it."""
+def test_a_segment_proves_its_owner_bound_to_one_transfer() -> None:
+    """The export is public (announced); the trailer's secret never leaves its processes,
+    and a proof binds sender, destination and transfer: a destination cannot replay it."""
     kv, ex = _shared(8)
-    mine = shm.secrets_of(ex)
-    assert len(mine) == 1 and len(mine[0]) == shm.SECRET_BYTES
+    ctx = shm.proof_context("a", "m", "t1")
+    proofs = shm.proofs_of(ex, ctx)
+    assert len(proofs) == 1 and len(proofs[0]) == 32
     maps = PeerMaps()
-    peer = maps.acquire(ex, kv.spec.layer_bytes, kv.spec.layout.num_layers)
-    assert peer.holds(mine)
-    assert not peer.holds([bytes(shm.SECRET_BYTES)])
-    assert not peer.holds([])
-    assert not peer.holds([mine[0][:-1]])
-    _other, other_ex = _shared(8)  # kept alive: its segment stays listed
-    theirs = shm.secrets_of(other_ex)
-    assert len(theirs[0]) == shm.SECRET_BYTES and theirs != mine  # one secret per segment
+    peer = maps.acquire(ex, kv.spec.layer_bytes, kv.spec.layout.num_layers, proofs, ctx)
+    assert peer.holds(proofs, ctx)
+    assert not peer.holds(proofs, shm.proof_context("m", "d2", "t1"))  # replayed by m
+    assert not peer.holds(proofs, shm.proof_context("a", "m", "t2"))
+    assert not peer.holds([bytes(32)], ctx) and not peer.holds([], ctx)
     maps.release(peer)
+    _other, other_ex = _shared(8)  # kept alive: its segment stays listed
+    assert shm.proofs_of(other_ex, ctx) != proofs  # one secret per segment
+
+
+def test_a_forgers_mapping_is_never_kept_for_honest_transfers() -> None:
+    """Mapped with another export's layer offsets and a bad proof: refused and dropped,
+    so an honest transfer of the same segments later reads its own offsets."""
+    kv, ex = _shared(8)
+    lay = kv.spec.layout
+    ctx = shm.proof_context("a", "d", "t")
+    forged = msgspec.structs.replace(ex, layers=list(reversed(ex.layers)))
+    maps = PeerMaps()
+    with pytest.raises(LayoutError, match="does not hold"):
+        maps.acquire(forged, kv.spec.layer_bytes, lay.num_layers, [bytes(32)], ctx)
+    assert maps.mapped_bytes == 0
+    peer = maps.acquire(ex, kv.spec.layer_bytes, lay.num_layers, shm.proofs_of(ex, ctx), ctx)
+    assert [peer.layer(i) - peer.layer(0) for i in range(lay.num_layers)] == \
+        [off for _, off in ex.layers]
+    maps.release(peer)
+
+
+def test_fifos_empty_and_unused_segments_are_refused(tmp_path) -> None:
+    kv, ex = _shared(8)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    keep = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, no writer: open() would block
+    try:
+        st = os.stat(fifo)
+        with pytest.raises(LayoutError):
+            shm.open_segment(os.getpid(), Segment(keep, st.st_ino, st.st_size), writable=False)
+    finally:
+        os.close(keep)
+    maps = PeerMaps()
+    empty = msgspec.structs.replace(ex, segments=[Segment(ex.segments[0].fd,
+                                                          ex.segments[0].inode, 0)])
+    with pytest.raises(LayoutError):
+        maps.acquire(empty, 0, kv.spec.layout.num_layers)
+    _extra, extra = _shared(8)
+    unused = msgspec.structs.replace(ex, segments=[*ex.segments, *extra.segments])
+    with pytest.raises(LayoutError, match="no layer"):
+        maps.acquire(unused, kv.spec.layer_bytes, kv.spec.layout.num_layers)
+    assert maps.mapped_bytes == 0
