@@ -111,16 +111,21 @@ async def test_shm_staged_push_lazy_pull_and_abort(nats_server):
     assert d._core.paths.maps.mapped_bytes == 0  # unmapped at shutdown
 
 
+async def _push_all(p: Agent, d: Agent, rid: str, src: list[int], dst: list[int]) -> str:
+    """Reserve, push every layer, wait: the path the destination says it took."""
+    rx = d.expect(rid, dst)
+    tx = await p.push(rid, d.instance_id, src)
+    for layer in range(p.memory.layout.num_layers if p.memory else 0):
+        tx.layer_ready(layer)
+    with anyio.fail_after(10):
+        return (await rx.result()).path
+
+
 async def test_shm_refused_by_config_falls_back_to_ucx(nats_server):
     lay = small_layout(layers=3)
     p, d = await _pair(nats_server, lay, 8, paths=("tcp", "ucx"))
     async with p, d:
-        rx = d.expect("r", [1, 2])
-        tx = await p.push("r", "d-shm", [3, 4])
-        for layer in range(lay.num_layers):
-            tx.layer_ready(layer)
-        with anyio.fail_after(10):
-            assert (await rx.result()).path == "ucx_shm"
+        assert await _push_all(p, d, "r", [3, 4], [1, 2]) == "ucx_shm"
         assert _same(p, d, [3, 4], [1, 2])
 
 
@@ -139,12 +144,7 @@ async def test_a_manifest_naming_another_agents_memory_is_not_read(nats_server, 
         assert forged is not None
         monkeypatch.setattr(p._core.paths, "shared", forged)  # the victim's, announced
         monkeypatch.setattr(p._core.paths, "proofs", lambda dst, tid: [bytes(32)])
-        rx = d.expect("r", [1, 2])
-        tx = await p.push("r", "d-shm", [3, 4])
-        for layer in range(lay.num_layers):
-            tx.layer_ready(layer)
-        with anyio.fail_after(10):
-            assert (await rx.result()).path == "ucx_shm"
+        assert await _push_all(p, d, "r", [3, 4], [1, 2]) == "ucx_shm"
         assert _same(p, d, [3, 4], [1, 2])  # the sender's own blocks, not the victim's
         assert not _same(victim, d, [3, 4], [1, 2])
 
