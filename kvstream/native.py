@@ -13,17 +13,22 @@ Imports nothing of kvstream but the exception tree, so any layer may use it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from kvstream._exceptions import KVStreamError
 
-__all__ = ["build", "cache_dir", "compiler", "cpu_id", "csrc_path"]
+__all__ = ["Once", "build", "cache_dir", "compiler", "cpu_id", "csrc_path"]
+
+T = TypeVar("T")
 
 
 def csrc_path(name: str) -> Path:
@@ -83,3 +88,25 @@ def build(src: Path, flags: Sequence[str], *, libs: Sequence[str] = (),
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+class Once(Generic[T]):
+    """A kernel built and loaded at most once per process: ``make``'s value, or None (and
+    one warning, ``warning % exc``) where one of ``errors`` says it cannot be had here."""
+
+    def __init__(self, make: Callable[[], T], errors: tuple[type[BaseException], ...],
+                 warning: str, log: logging.Logger) -> None:
+        self._make, self._errors, self._warning, self._log = make, errors, warning, log
+        self._lock = threading.Lock()
+        self._tried = False
+        self._value: T | None = None
+
+    def __call__(self) -> T | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._value = self._make()
+                except self._errors as exc:
+                    self._log.warning(self._warning, exc)
+            return self._value

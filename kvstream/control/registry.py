@@ -122,6 +122,11 @@ class Registry:
     def get(self, instance_id: str) -> PeerInfo | None:
         return self._peers.get(instance_id)
 
+    def announced(self, instance_id: str) -> Announce | None:
+        """The instance's latest announcement (None before its first)."""
+        info = self._peers.get(instance_id)
+        return info.announce if info is not None else None
+
     def alive(self, instance_id: str) -> bool:
         info = self._peers.get(instance_id)
         if info is None or info.left:

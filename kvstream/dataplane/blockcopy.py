@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -45,9 +44,6 @@ _MAX_GRID: Final = 2 ** 31 - 1
 _ARGS: list[Any] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 
-_lock = threading.Lock()
-_loaded: CpuBlockCopy | None = None
-_tried = False
 
 
 def source_path() -> Path:
@@ -147,22 +143,22 @@ def _flags() -> list[str]:
     return ["-O3", "-shared", "-fPIC", *native_flags]
 
 
+def _make() -> CpuBlockCopy:
+    src = source_path()
+    if not src.exists():
+        raise DataPlaneError(f"{src} not found (kvstream installed without csrc/)")
+    return CpuBlockCopy(native.build(src, _flags(), error=DataPlaneError,
+                                     what="the block copy kernel"))
+
+
+_load = native.Once(_make, (DataPlaneError, OSError, AttributeError),
+                    "C block copy unavailable, copying with ctypes.memmove: %s", log)
+
+
 def load() -> CpuBlockCopy | None:
     """The C library, built once per process (None where it cannot be: ``copy_blocks`` then
     uses ``ctypes.memmove``)."""
-    global _loaded, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            src = source_path()
-            try:
-                if not src.exists():
-                    raise DataPlaneError(f"{src} not found (kvstream installed without csrc/)")
-                _loaded = CpuBlockCopy(native.build(src, _flags(), error=DataPlaneError,
-                                                    what="the block copy kernel"))
-            except (DataPlaneError, OSError, AttributeError) as exc:
-                log.warning("C block copy unavailable, copying with ctypes.memmove: %s", exc)
-        return _loaded
+    return _load()
 
 
 def copy_blocks(dst_ptr: int, dst_size: int, dst_off: Any, src_ptr: int, src_size: int, src_off: Any,

@@ -141,8 +141,7 @@ class Admission:
             return reject(*refused)
         # Before the book is looked at: the first choice with a peer may map its memory.
         # Only the memory the sender announces as its own is read (and only with its proof).
-        info = core.registry.get(msg.src)
-        announced = info.announce if info is not None else None
+        announced = core.registry.announced(msg.src)
         shared = msg.src_shared if announced is None or announced.shared == msg.src_shared \
             else None
         choice = await core.paths.choose(peer=msg.src, peer_host=msg.src_host,

@@ -51,11 +51,10 @@ class Liveness:
         match msg:
             case m.Announce() if msg.instance_id != core.instance_id:
                 self._forgotten_by(msg)
-                info = core.registry.get(iid)
-                if info is not None and info.announce is not None and \
-                        info.announce.shared != msg.shared:
-                    core.paths.forget(info.announce.shared)  # its KV moved: unmap the old
-                if info is None or info.announce is None:
+                before = core.registry.announced(iid)
+                if before is not None and before.shared != msg.shared:
+                    core.paths.forget(before.shared)  # its KV moved: unmap the old
+                if before is None:
                     self._hello()
                 core.registry.observe(msg)
             case m.Leave() if msg.instance_id != core.instance_id:
@@ -106,9 +105,8 @@ class Liveness:
 
     def fail_peer(self, peer: str) -> None:
         core = self.core
-        info = core.registry.get(peer)
-        if info is not None and info.announce is not None:
-            core.paths.forget(info.announce.shared)
+        if (before := core.registry.announced(peer)) is not None:
+            core.paths.forget(before.shared)
         why = core.registry.why_dead(peer)
         core.perform(core.book.peer_lost(peer, why, core.registry.alive))
 

@@ -114,8 +114,8 @@ class DataPaths:
         if self.tcp is None or not address:
             return b""
         self.tcp.check_address(address)
-        info = self.registry.get(peer)
-        if info is not None and info.announce is not None and info.announce.tcp != address:
+        announced = self.registry.announced(peer)
+        if announced is not None and announced.tcp != address:
             raise ProtocolError(f"{peer} names another TCP address than it announces")
         return address
 

@@ -166,8 +166,7 @@ class Puller:
                     want_codec: str) -> ReceiveHandle:
         core = self.core
         src = entry.peer
-        info = core.registry.get(src)
-        ann = info.announce if info is not None else None
+        ann = core.registry.announced(src)
         choice = await core.paths.choose(
             peer=src, peer_host=ann.host if ann else "", peer_tcp=ann.tcp if ann else b"",
             peer_shared=ann.shared if ann else None, mem=core.mem(), codec=want_codec)

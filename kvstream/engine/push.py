@@ -125,7 +125,8 @@ class Pusher:
                                              f"push failed: {exc!r}")
             raise
         core.registry.contact(dst_instance)
-        peer_host = _announced_host(core, dst_instance)
+        announced = core.registry.announced(dst_instance)
+        peer_host = announced.host if announced is not None else ""  # "": not same-host
         try:
             check_skip(reply.skip, len(blocks))
             if (why := core.paths.refusal(reply.path, peer=dst_instance,
@@ -189,12 +190,6 @@ class Pusher:
             raise TransferError(f"{dst} was not asked: staging_wait_s is 0",
                                 request_id=manifest.request_id, peer=dst)
         return reply
-
-
-def _announced_host(core: Core, peer: str) -> str:
-    """The host a peer announces ("" before its first announcement: no same-host path)."""
-    info = core.registry.get(peer)
-    return info.announce.host if info is not None and info.announce is not None else ""
 
 
 def _fail(transfer: Transfer, exc: BaseException) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,9 +29,6 @@ __all__ = ["CpuKernel", "build", "cache_dir", "load", "source_path"]
 
 log = logging.getLogger("kvstream.quant")
 
-_lock = threading.Lock()
-_loaded: CpuKernel | None = None
-_tried = False
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
@@ -91,17 +87,17 @@ class CpuKernel:
             raise QuantizationError(f"the CPU kernel has no codec {codec!r}") from None
 
 
+def _make() -> CpuKernel:
+    src = source_path()
+    if not src.exists():
+        raise QuantizationError(f"{src} not found (kvstream installed without csrc/)")
+    return CpuKernel(build(src))
+
+
+_load = native.Once(_make, (QuantizationError, OSError),
+                    "CPU codec kernel unavailable, using the slow torch path: %s", log)
+
+
 def load() -> CpuKernel | None:
     """The kernel, built once per process (None where it cannot be built)."""
-    global _loaded, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            src = source_path()
-            try:
-                if not src.exists():
-                    raise QuantizationError(f"{src} not found (kvstream installed without csrc/)")
-                _loaded = CpuKernel(build(src))
-            except (QuantizationError, OSError) as exc:
-                log.warning("CPU codec kernel unavailable, using the slow torch path: %s", exc)
-        return _loaded
+    return _load()

@@ -182,8 +182,8 @@ def test_layer_items_refuses(args: tuple, match: str) -> None:
 
 def test_fallback_without_the_source_warns_once(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setattr(blockcopy, "source_path", lambda: tmp_path / "missing.c")
-    monkeypatch.setattr(blockcopy, "_tried", False)
-    monkeypatch.setattr(blockcopy, "_loaded", None)
+    monkeypatch.setattr(blockcopy._load, "_tried", False)
+    monkeypatch.setattr(blockcopy._load, "_value", None)
     rng = np.random.default_rng(3)
     dst, dst_off, src, src_off = buffers(rng, 5, 300, aligned=False)
     want = reference(dst, src, dst_off, src_off, 300)
@@ -201,8 +201,8 @@ def test_fallback_without_the_source_warns_once(monkeypatch, tmp_path, caplog) -
 def test_fallback_without_a_compiler(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVSTREAM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(blockcopy, "_tried", False)
-    monkeypatch.setattr(blockcopy, "_loaded", None)
+    monkeypatch.setattr(blockcopy._load, "_tried", False)
+    monkeypatch.setattr(blockcopy._load, "_value", None)
     with caplog.at_level(logging.WARNING, logger="kvstream.dataplane"):
         assert blockcopy.load() is None
     assert "C block copy unavailable" in caplog.text
