@@ -68,7 +68,8 @@ def _measure(wire: bytes, n_blocks: int, block: int, repeat: int) -> dict[str, A
     import msgspec
     import torch
 
-    from kvstream.dataplane import blockcopy, cuda_ipc
+    from kvstream import cuda_ipc
+    from kvstream.dataplane import blockcopy
 
     h = msgspec.msgpack.decode(wire, type=cuda_ipc.IpcHandle)
     gen = np.random.default_rng(1)
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import msgspec
     import torch
 
-    from kvstream.dataplane import cuda_ipc
+    from kvstream import cuda_ipc
 
     block = args.block_kib * 1024
     n_blocks = args.total_mib * 2 ** 20 // block

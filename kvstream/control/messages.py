@@ -31,6 +31,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from kvstream._exceptions import MessageDecodeError
+from kvstream.cuda_ipc import DeviceExport, DeviceOffer
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedExport
 
@@ -122,6 +123,10 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     host: HostId = ""
     tcp: TcpAddress = b""
     shared: SharedExport | None = None
+    # Its device KV offered over CUDA IPC to same-host peers (whose, which registration,
+    # which GPU); the handles themselves go in one transfer's manifest only
+    # (``Manifest.src_device``).
+    cuda_ipc: DeviceOffer | None = None
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
@@ -169,6 +174,8 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     # and transfer (shm.segment_proof).
     src_secrets: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=64)]],
                            msgspec.Meta(max_length=64)] = []
+    # path "cuda_ipc": the source's device KV, for this destination to open (same host).
+    src_device: DeviceExport | None = None
 
 
 class Accept(ControlMessage, tag="kv.accept", frozen=True):

@@ -2,7 +2,7 @@
 scattered destination offsets, in one call (CPU) or one kernel launch (GPU).
 
 The same-host "one copy" path maps the source's KV memory (host: shared memory mapped
-read-only; GPU: CUDA IPC, ``kvstream.dataplane.cuda_ipc``) and copies the blocks of a
+read-only; GPU: CUDA IPC, ``kvstream.cuda_ipc``) and copies the blocks of a
 layer straight from the source's rows into the destination's: one copy, no staging.
 ``layer_items`` turns block ids into the items' byte offsets; ``copy_blocks`` copies on the
 CPU (csrc/blockcopy.c); ``CudaBlockCopy`` launches csrc/blockcopy.cu.

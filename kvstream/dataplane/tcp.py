@@ -33,13 +33,25 @@ Why it looks like this (measured with benchmarks/bench_tcp.py on a 2-core VM):
   (``dropped_unread``). ``drain`` completes the oldest posted receive locally; one being
   written into at that moment is left to its frame, and a zero-byte message waits in its
   stead, as UCX's self-send would.
-* Everything is bounded (``TcpLimits``): accepted connections, the waiting queue, frame
-  length, connect time. A bad magic or an absurd length closes only that connection.
+* Everything is bounded (``TcpLimits``): accepted connections, in all and from one
+  address, the waiting queue, frame length, connect time, and how long an accepted
+  connection may hold its slot without its first frame header (``idle_timeout_s`` from
+  accept) or go without a byte inside a frame (the same). Idle time between frames is
+  not bounded: connections are reused across transfers, and keepalive ends those to a
+  vanished host. A bad magic, an absurd length or a stall closes only that connection,
+  and a receive its frame was being read into is posted again (``statistics()``:
+  ``bad_frames``, ``timed_out``; ``refused``, ``refused_per_ip`` count those closed at
+  accept).
 
 Security: as with UCX in kvstream, the tag is the capability. Sockets are not
 authenticated; anyone who can reach the port can send frames, which land only in a
 receive posted on their exact tag (48 random bits per transfer, ``wire.new_xfer_tag``),
-or wait, bounded, until ``sweep`` drops them. Run it on a network you would trust with UCX.
+or wait, bounded, until ``sweep`` drops them. A stranger that connects and sends nothing
+or part of a header holds a slot for ``idle_timeout_s`` at most (a later frame it stops
+in, for twice that), and one address holds ``max_connections_per_ip`` slots at most; many
+addresses can still fill ``max_connections`` for as long as they keep reconnecting, and
+a connection that trickles a byte per ``idle_timeout_s`` into a frame keeps its slot
+(there is no minimum rate). Run it on a network you would trust with UCX.
 """
 
 from __future__ import annotations

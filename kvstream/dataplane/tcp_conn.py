@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import re
 import select
 import socket
@@ -22,7 +23,7 @@ import numpy as np
 
 from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
 
-__all__ = ["HEADER", "IOV_MAX", "MAGIC", "Conn", "TcpLimits", "byte_view",
+__all__ = ["HEADER", "IOV_MAX", "MAGIC", "Conn", "RecvStalled", "TcpLimits", "byte_view",
            "byte_views", "check_tcp_address", "format_address", "limit", "parse_address",
            "tune"]
 
@@ -33,6 +34,7 @@ _PREFIX: Final = b"tcp:"
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
 _DISCARD_CHUNK: Final = 256 * 1024
 IOV_MAX: Final = 1024  # buffers per sendmsg / recvmsg_into (Linux's UIO_MAXIOV)
+_TIMEVAL: Final = struct.Struct("@ll")  # struct timeval (Linux): seconds, microseconds
 # A peer host that vanished without a FIN would hold its reader thread and a connection
 # slot for ever; keepalive probes of idle connections end those within about a minute.
 _KEEPALIVE: Final = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
@@ -44,20 +46,39 @@ class TcpLimits:
     threads or fds without limit; defaults suit a few dozen peers."""
 
     max_connections: int = 256  # accepted connections held at once; more are closed
+    # Of those, from one remote address. An honest agent holds at most its ``lanes``
+    # (<= MAX_LANES, 64) connections to us, so one agent never meets this whatever its
+    # lanes, and 16 agents sharing a host at the default 4 lanes fit too; one host alone
+    # takes at most a quarter of max_connections.
+    max_connections_per_ip: int = 64
     max_frame_bytes: int = 1 << 30  # a longer announced frame closes its connection
     unexpected_message_bytes: int = 8 * 1024  # larger unexpected frames are read and dropped
     unexpected_messages: int = 4096
     unexpected_bytes: int = 4 << 20
     connect_timeout_s: float = 5.0
+    # An accepted connection must deliver its first frame header this long after accept
+    # (an honest sender writes it right after connecting), and a frame begun must not go
+    # this long without a byte (seen after one to two times it: Conn.set_recv_timeout). Idle
+    # time between frames is unbounded: connections are reused, keepalive ends dead ones.
+    # Far over TCP's retransmission backoff on a working link and over peer_timeout_s
+    # (an honest transfer stalled this long has failed anyway); under keepalive's minute.
+    idle_timeout_s: float = 10.0
     # SO_SNDBUF / SO_RCVBUF; None keeps Linux's autotuning, which a fixed size turns off.
     socket_buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        counts = (self.max_connections, self.max_frame_bytes, self.unexpected_messages)
+        counts = (self.max_connections, self.max_connections_per_ip, self.max_frame_bytes,
+                  self.unexpected_messages)
         buffer = self.socket_buffer_bytes
         if min(counts) < 1 or min(self.unexpected_message_bytes, self.unexpected_bytes) < 0 \
-                or not self.connect_timeout_s > 0 or (buffer is not None and buffer < 1):
+                or not self.connect_timeout_s > 0 or (buffer is not None and buffer < 1) \
+                or not (self.idle_timeout_s > 0 and math.isfinite(self.idle_timeout_s)):
             raise ConfigError(f"TCP limits must be positive: {self}")
+
+
+class RecvStalled(TimeoutError):
+    """No byte arrived for the receive timeout (``Conn.set_recv_timeout``). Internal: it
+    never leaves a reader thread; a keepalive failure (ETIMEDOUT) is another OSError."""
 
 
 def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
@@ -229,19 +250,39 @@ class Conn:
         while i < len(parts):
             i = _skip(parts, i, self.sock.sendmsg(parts[i:i + IOV_MAX]))
 
+    def set_recv_timeout(self, seconds: float) -> None:
+        """SO_RCVTIMEO, not ``settimeout``: that makes the fd non-blocking, and MSG_WAITALL
+        would then return whatever is there (a wake-up per segment). With it a blocking
+        receive that gets nothing for ``seconds`` fails (``RecvStalled``); one that got
+        some bytes returns them when it runs out, and the next call waits anew."""
+        sec, usec = divmod(max(1, math.ceil(seconds * 1e6)), 1_000_000)  # 0: none at all
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, usec))
+
+    def recv_some(self, view: memoryview) -> int:
+        """One receive into ``view``: all of it, or less at EOF (0) or at the receive
+        timeout after some bytes; ``RecvStalled`` if none came in it."""
+        try:
+            return self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        except BlockingIOError as exc:  # EAGAIN on a blocking fd: SO_RCVTIMEO ran out
+            raise RecvStalled(f"no byte for the receive timeout: {exc}") from exc
+
     def recv_views(self, views: list[memoryview]) -> int:
         """Fill ``views`` in order; how many bytes arrived before EOF (all normally).
-        MSG_WAITALL: one wake-up per call, not one per segment."""
+        MSG_WAITALL: one wake-up per call, not one per segment. ``RecvStalled`` if a
+        call gets no byte for the receive timeout (if one is set)."""
         views, got, i = list(views), 0, 0
-        while i < len(views):
-            if len(views) - i == 1:
-                n = self.sock.recv_into(views[i], len(views[i]), socket.MSG_WAITALL)
-            else:
-                n = self.sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
-            if n == 0:
-                break
-            got += n
-            i = _skip(views, i, n)
+        try:
+            while i < len(views):
+                if len(views) - i == 1:
+                    n = self.sock.recv_into(views[i], len(views[i]), socket.MSG_WAITALL)
+                else:
+                    n = self.sock.recvmsg_into(views[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+                if n == 0:
+                    break
+                got += n
+                i = _skip(views, i, n)
+        except BlockingIOError as exc:
+            raise RecvStalled(f"no byte for the receive timeout after {got}: {exc}") from exc
         return got
 
     def recv_exact(self, view: memoryview) -> int:

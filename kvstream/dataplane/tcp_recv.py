@@ -21,7 +21,7 @@ from typing import Final
 import anyio
 
 from kvstream._exceptions import DataPlaneError
-from kvstream.dataplane.tcp_conn import HEADER, MAGIC, Conn, TcpLimits, limit, tune
+from kvstream.dataplane.tcp_conn import HEADER, MAGIC, Conn, RecvStalled, TcpLimits, limit, tune
 
 __all__ = ["Inbox", "TcpRecv", "TcpStatistics"]
 
@@ -38,6 +38,8 @@ class TcpStatistics:
     dropped_unread: int  # unexpected frames dropped: too large, or no room to wait
     waiting: int  # unexpected messages waiting for a receive
     waiting_bytes: int
+    refused_per_ip: int  # closed at once: max_connections_per_ip from its address open
+    timed_out: int  # closed: no first header within idle_timeout_s, or a frame stalled
 
 
 class TcpRecv:
@@ -96,7 +98,9 @@ class Inbox:
         self._unexpected: dict[int, deque[bytearray]] = {}
         self._waiting = self._waiting_bytes = 0
         self._incoming: dict[Conn, threading.Thread] = {}
+        self._per_ip: dict[str, int] = {}  # accepted connections open, by remote address
         self._accepted = self._refused = self._bad_frames = self._truncated = 0
+        self._refused_per_ip = self._timed_out = 0
         self.dropped_unread = 0
         self.closed = False
         self._name = f"kvstream-tcp-{listener.getsockname()[1]}"
@@ -108,7 +112,8 @@ class Inbox:
         with self._lock:
             return TcpStatistics(self._accepted, self._refused, len(self._incoming),
                                  self._bad_frames, self._truncated, self.dropped_unread,
-                                 self._waiting, self._waiting_bytes)
+                                 self._waiting, self._waiting_bytes, self._refused_per_ip,
+                                 self._timed_out)
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -214,37 +219,47 @@ class Inbox:
             recv._fill(data)
 
     def _accept_loop(self) -> None:
+        limits = self.limits
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 if self.closed:
                     return
                 time.sleep(0.05)  # out of fds, or an aborted handshake: try again
                 continue
-            tune(sock, self.limits)
+            deadline = time.monotonic() + limits.idle_timeout_s  # for its first header
+            ip = str(peer[0])
+            tune(sock, limits)
             conn = Conn(sock)
             conn.acquire()  # the reader's own reference
-            thread = threading.Thread(target=self._read_loop, args=(conn,), daemon=True,
-                                      name=f"{self._name}-read")
+            thread = threading.Thread(target=self._read_loop, args=(conn, ip, deadline),
+                                      daemon=True, name=f"{self._name}-read")
             with self._lock:
-                admit = not self.closed and len(self._incoming) < self.limits.max_connections
+                full = len(self._incoming) >= limits.max_connections
+                crowded = self._per_ip.get(ip, 0) >= limits.max_connections_per_ip
+                admit = not self.closed and not full and not crowded
                 if admit:
                     self._incoming[conn] = thread
+                    self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
                     self._accepted += 1
-                else:
+                elif full or not crowded:
                     self._refused += 1
+                else:
+                    self._refused_per_ip += 1
             if admit:
                 thread.start()
             else:
                 conn.shutdown()
                 conn.release()
 
-    def _read_loop(self, conn: Conn) -> None:
+    def _read_loop(self, conn: Conn, ip: str, deadline: float) -> None:
         head = bytearray(HEADER.size)
         view = memoryview(head)
+        first: float | None = deadline
         try:
-            while conn.recv_exact(view) == len(view):
+            while self._read_header(conn, view, first):
+                first = None
                 magic, flags, tag, length = HEADER.unpack(head)
                 if magic != MAGIC or flags or length > self.limits.max_frame_bytes:
                     with self._lock:
@@ -252,6 +267,9 @@ class Inbox:
                     return
                 if not self._read_frame(conn, tag, length):
                     return
+        except RecvStalled:
+            with self._lock:
+                self._timed_out += 1
         except OSError:
             return  # reset, or shut down by close(): this connection only
         finally:
@@ -259,6 +277,33 @@ class Inbox:
             conn.release()
             with self._lock:
                 self._incoming.pop(conn, None)
+                left = self._per_ip.pop(ip) - 1
+                if left:
+                    self._per_ip[ip] = left
+
+    def _read_header(self, conn: Conn, view: memoryview, deadline: float | None) -> bool:
+        """A whole frame header; False on EOF first. ``deadline``: the first header's, by
+        which it must be complete. Between later frames the connection may idle for ever
+        (it is reused), but a header begun must go on: ``RecvStalled`` when it stalls."""
+        got = 0
+        while got < len(view):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RecvStalled("no frame header within idle_timeout_s of accept")
+                conn.set_recv_timeout(left)
+            try:
+                n = conn.recv_some(view[got:])
+            except RecvStalled:
+                if got or deadline is not None:
+                    raise
+                continue  # idle between frames: one wake-up per idle_timeout_s
+            if n == 0:
+                return False
+            got += n
+        if deadline is not None:  # from now on: the stall bound inside a frame
+            conn.set_recv_timeout(self.limits.idle_timeout_s)
+        return True
 
     def _read_frame(self, conn: Conn, tag: int, length: int) -> bool:
         """One frame's payload; False if the connection ended inside it."""

@@ -147,7 +147,9 @@ class Admission:
         choice = await core.paths.choose(peer=msg.src, peer_host=msg.src_host,
                                          peer_tcp=msg.src_tcp, peer_shared=shared,
                                          mem=mem, codec=msg.codec, proofs=msg.src_secrets,
-                                         transfer_id=msg.transfer_id)
+                                         transfer_id=msg.transfer_id,
+                                         peer_device=msg.src_device,
+                                         peer_offer=announced.cuda_ipc if announced else None)
         try:
             if core.memory is not mem:
                 return reject("no_reservation", f"{core.instance_id}'s KV memory changed")
@@ -209,7 +211,7 @@ class Admission:
         with expect(), or refuse at once when the bounded pool has no room (the sender
         backs off and retries for staging_wait_s)."""
         core = self.core
-        single = choice.path != "shm" and \
+        single = choice.path not in ("shm", "cuda_ipc") and \
             single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path)
         layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
         need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers

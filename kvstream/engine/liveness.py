@@ -52,8 +52,9 @@ class Liveness:
             case m.Announce() if msg.instance_id != core.instance_id:
                 self._forgotten_by(msg)
                 before = core.registry.announced(iid)
-                if before is not None and before.shared != msg.shared:
-                    core.paths.forget(before.shared)  # its KV moved: unmap the old
+                if before is not None and (before.shared != msg.shared or
+                                           before.cuda_ipc != msg.cuda_ipc):
+                    core.paths.forget(iid, before.shared)  # its KV moved: unmap the old
                 if before is None:
                     self._hello()
                 core.registry.observe(msg)
@@ -101,12 +102,12 @@ class Liveness:
             num_blocks=mem.num_blocks if mem else 0, load=float(len(core.book.streams)),
             heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint,
             forgot=dict(core.forgot), host=core.paths.host, tcp=core.paths.tcp_address,
-            shared=core.paths.shared))
+            shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core
-        if (before := core.registry.announced(peer)) is not None:
-            core.paths.forget(before.shared)
+        before = core.registry.announced(peer)
+        core.paths.forget(peer, before.shared if before is not None else None)
         why = core.registry.why_dead(peer)
         core.perform(core.book.peer_lost(peer, why, core.registry.alive))
 
@@ -141,8 +142,9 @@ class Liveness:
                 except KVStreamError as exc:
                     log.warning("heartbeat not sent: %s", exc)
                 core.sweep()
-                core.paths.prune({a.shared.pid for a in core.registry.instances()
-                                  if a.shared is not None})
+                live = core.registry.instances()
+                core.paths.prune({a.shared.pid for a in live if a.shared is not None},
+                                 {a.instance_id for a in live})
             self.tick()
             due = min(next_beat, core.book.next_deadline(), self._peer_deadline())
             # A deadline just passed is handled at the next turn; a tiny margin keeps the

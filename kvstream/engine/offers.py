@@ -151,7 +151,8 @@ class Offers:
             lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [],
             path=path, src_host=core.paths.host, src_tcp=core.paths.tcp_address,
             src_shared=core.paths.shared if path == "shm" else None,
-            src_secrets=core.paths.proofs(msg.dst, t.transfer_id) if path == "shm" else [])
+            src_secrets=core.paths.proofs(msg.dst, t.transfer_id) if path == "shm" else [],
+            src_device=core.paths.device_for(msg.dst, path, codec))
         core.registry.contact(msg.dst)
         if not handle.blocks:
             core.complete_empty(t)
@@ -160,7 +161,7 @@ class Offers:
                             peer_address=msg.dst_tcp if path == "tcp" else msg.dst_address,
                             src_tag=src_tag, dst_tag=msg.dst_tag,
                             dst_contiguous=is_run(without(msg.dst_blocks, skip)),
-                            mapped=path == "shm", path=path)
+                            mapped=path in ("shm", "cuda_ipc"), path=path)
         core.run_stream(entry, stream, msg.deadline_s)
         return manifest
 

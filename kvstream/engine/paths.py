@@ -8,14 +8,17 @@ the path on the transfer (``Transfer.path``: result, statistics, span).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from kvstream import shm
 from kvstream._exceptions import KVStreamError, LayoutError, ProtocolError
+from kvstream.cuda_ipc import DeviceExport, DeviceOffer
 from kvstream.dataplane.paths import choose, host_identity, label, rdma_present
-from kvstream.dataplane.peermem import MappedSource, PeerKV, PeerMaps
+from kvstream.dataplane.peerdev import PeerDevKV
+from kvstream.dataplane.peermem import MapCache, Mapped, MappedSource, PeerKV, PeerMaps
+from kvstream.engine.devpaths import DeviceIpc, ordinal
 
 if TYPE_CHECKING:
     from kvstream.config import AgentConfig
@@ -30,16 +33,31 @@ log = logging.getLogger("kvstream.agent")
 
 
 class Choice:
-    """A destination's pick: the path, and the source's mapped memory if it is ``shm``."""
+    """A destination's pick: the path, and the source's mapped memory if it is ``shm`` or
+    ``cuda_ipc`` (a pull's ``cuda_ipc`` opens it once the manifest names it: ``open``)."""
 
-    def __init__(self, path: str, maps: PeerMaps, kv: PeerKV | None, tcp: bytes) -> None:
+    def __init__(self, path: str, maps: MapCache[Any], kv: Mapped | None, tcp: bytes,
+                 paths: DataPaths | None = None) -> None:
         self.path, self.tcp = path, tcp
         self._maps, self._kv = maps, kv
+        self._paths = paths
 
     def holds(self, proofs: list[bytes], src: str, dst: str, transfer_id: str) -> bool:
         """Does the sender hold the mapped source (``PeerKV.holds``)?"""
-        return self._kv is not None and \
+        return isinstance(self._kv, PeerKV) and \
             self._kv.holds(proofs, shm.proof_context(src, dst, transfer_id))
+
+    async def open(self, peer: str, export: DeviceExport | None, offer: DeviceOffer | None,
+                   mem: RegisteredKV) -> None:
+        """A pull's ``cuda_ipc``: open the handles the source's manifest names, if they
+        are the registration it announces (``offer``). Raises ``ProtocolError`` (none
+        named, or not the announced) or the opener's error (the transfer then fails)."""
+        if export is None or self._paths is None or \
+                not self._paths.ipc.announced(export, offer):
+            raise ProtocolError(f"{peer} answered on cuda_ipc without the device KV it "
+                                "announces")
+        self.release()
+        self._kv = await self._paths.ipc.open(peer, export, mem)
 
     def refusal(self, src_ids: list[int]) -> str | None:
         """Why the source's block ids cannot be read from its mapped memory, if so."""
@@ -51,11 +69,15 @@ class Choice:
 
     def source(self, src_ids: list[int], mem: RegisteredKV) -> MappedSource | None:
         """The stream's reads out of the mapped source (it releases the mapping when its
-        transfer ends); ``LayoutError`` if the ids are outside the source's blocks."""
+        transfer ends); ``LayoutError`` if the ids are outside the source's blocks, or the
+        source was opened for another GPU than ``mem``'s (re-registered meanwhile)."""
         kv, self._kv = self._kv, None
         if kv is None:
             return None
         try:
+            if isinstance(kv, PeerDevKV) and kv.device != ordinal(mem):
+                raise LayoutError(f"the source's KV was opened for GPU {kv.device}, "
+                                  f"this memory is on {mem.device}")
             return MappedSource(self._maps, kv, src_ids, planes=mem.planes,
                                 chunk_bytes=mem.layout.chunk_bytes)
         except LayoutError:
@@ -74,6 +96,7 @@ class DataPaths:
         self.registry = registry
         self.host = host_identity(config.host_id)
         self.maps = PeerMaps()
+        self.ipc = DeviceIpc(config.instance_id)
         self.tcp: Transport | None = None
         self.shared: shm.SharedExport | None = None
         self.device = "cpu"
@@ -88,9 +111,12 @@ class DataPaths:
     def register(self, mem: RegisteredKV) -> None:
         """Export the memory to same-host peers if it lives in shared segments."""
         self.shared = None
+        self.ipc.unregister()
         self.device = mem.device.type
         if "shm" in self.config.paths and mem.device.type == "cpu":
             self.shared = shm.export(mem.layers, mem.num_blocks)
+        if "cuda_ipc" in self.config.paths and mem.device.type == "cuda":
+            self.ipc.register(mem)
         if mem.device.type == "cuda" and not rdma_present():
             log.warning("%s: device KV registered on a host without RDMA devices: transfers "
                         "to other hosts go over UCX's TCP transport (staged through host "
@@ -105,6 +131,16 @@ class DataPaths:
 
     def unregister(self) -> None:
         self.shared = None
+        self.ipc.unregister()
+
+    def device_for(self, peer: str, path: str = "cuda_ipc", codec: str = "none"
+                   ) -> DeviceExport | None:
+        """Our device KV's handles for one transfer to ``peer``, if it is on this host (as
+        the registry knows it), in another process and offers CUDA IPC itself."""
+        if path != "cuda_ipc" or codec != "none":
+            return None
+        ann = self.registry.announced(peer)
+        return self.ipc.handles_for(ann, ann is not None and self.same_host(ann.host))
 
     def same_host(self, peer_host: str) -> bool:
         return bool(self.host) and peer_host == self.host
@@ -122,12 +158,27 @@ class DataPaths:
     async def choose(self, *, peer: str, peer_host: str, peer_tcp: bytes,
                      peer_shared: shm.SharedExport | None, mem: RegisteredKV,
                      codec: str, proofs: list[bytes] | None = None,
-                     transfer_id: str = "") -> Choice:
+                     transfer_id: str = "", peer_device: DeviceExport | None = None,
+                     peer_offer: DeviceOffer | None = None) -> Choice:
         """The path into this destination (mapping the source's memory first if it may be
-        ``shm``: blocking the first time, so on a thread). Release the choice unless a
-        stream took its source (``Choice.source``)."""
+        ``shm`` or ``cuda_ipc``: blocking the first time, so on a thread; a pull's source
+        names its device KV only in its answer, so its announced ``peer_offer`` picks
+        ``cuda_ipc`` before; a push's ``peer_device`` is opened only if it is the one
+        announced). CUDA refuses a process its own handles: agents in one process never
+        take ``cuda_ipc`` between them. Release the choice unless a stream took its source
+        (``Choice.source``)."""
         same = self.same_host(peer_host)
-        kv: PeerKV | None = None
+        kv: Mapped | None = None
+        maps: MapCache[Any] = self.maps
+        ipc = same and codec == "none" and mem.device.type == "cuda" and \
+            "cuda_ipc" in self.config.paths
+        if ipc and peer_device is not None and self.ipc.announced(peer_device, peer_offer) \
+                and self.ipc.may_open(peer, peer_offer):
+            try:
+                kv = await self.ipc.open(peer, peer_device, mem)
+                maps = self.ipc.maps
+            except KVStreamError as exc:
+                log.info("%s's device KV is not opened here (%s)", peer, exc)
         if same and codec == "none" and peer_shared is not None and "shm" in self.config.paths \
                 and mem.device.type == "cpu":
             context = shm.proof_context(peer, self.config.instance_id, transfer_id)
@@ -144,23 +195,27 @@ class DataPaths:
             tcp = self.check_tcp(peer, peer_tcp)
         except ProtocolError:
             tcp = b""
+        can_map = kv is not None or \
+            (ipc and peer_device is None and self.ipc.may_open(peer, peer_offer))
         path = choose(self.config.paths, same_host=same, device=mem.device.type, codec=codec,
-                      can_map=kv is not None, peer_tcp=bool(tcp),
-                      own_tcp=bool(self.tcp_address))
-        if path != "shm" and kv is not None:
-            self.maps.release(kv)
+                      can_map=can_map, peer_tcp=bool(tcp), own_tcp=bool(self.tcp_address))
+        if path not in ("shm", "cuda_ipc") and kv is not None:
+            maps.release(kv)
             kv = None
-        return Choice(path, self.maps, kv, tcp)
+        return Choice(path, maps if kv is not None else self.ipc.maps if path == "cuda_ipc"
+                      else self.maps, kv, tcp, self)
 
-    def refusal(self, path: str, *, peer: str, peer_tcp: bytes, codec: str) -> str | None:
+    def refusal(self, path: str, *, peer: str, peer_tcp: bytes, codec: str,
+                sent_device: bool = True) -> str | None:
         """Why this source will not send to ``peer`` on ``path`` (None: it will)."""
         if path not in self.config.paths:
             return f"path {path!r} is not one this instance offers ({', '.join(self.config.paths)})"
         # A peer on another host cannot open our segments: no same-host check needed here.
         if path == "shm" and (self.shared is None or codec != "none"):
             return "shm needs codec 'none' and KV in shared memory here"
-        if path == "cuda_ipc":
-            return "cuda_ipc is not offered by this instance"
+        if path == "cuda_ipc" and (not sent_device or self.device_for(peer, path, codec) is None):
+            return ("cuda_ipc needs codec 'none', device KV exported here and a peer on this "
+                    "host offering CUDA IPC from another process")
         if path == "tcp":
             if not self.tcp_address:
                 return "tcp is offered for host KV only"
@@ -180,15 +235,18 @@ class DataPaths:
     def record(self, transfer: Transfer, path: str, peer_host: str) -> None:
         transfer.path = label(path, same_host=self.same_host(peer_host))
 
-    def forget(self, shared: shm.SharedExport | None) -> None:
-        """A peer is gone: its mappings go once no transfer reads them."""
+    def forget(self, peer: str, shared: shm.SharedExport | None) -> None:
+        """A peer is gone or moved its KV: its mappings go once no transfer reads them."""
         if shared is not None:
             self.maps.drop(shared.pid)
+        self.ipc.forget(peer)
 
-    def prune(self, live_pids: set[int]) -> None:
+    def prune(self, live_pids: set[int], live_peers: set[str]) -> None:
         """Unmap (once unused) the KV of processes no live peer announces: a silent peer's
-        pages would otherwise stay alive through our mapping."""
+        memory would otherwise stay alive through our mapping."""
         self.maps.drop_except(live_pids)
+        self.ipc.prune(live_peers)
 
     def close(self) -> None:
         self.maps.drop()
+        self.ipc.close()

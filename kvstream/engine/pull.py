@@ -18,6 +18,7 @@ from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     IncompatiblePeerError,
+    KVStreamError,
     NoPeerError,
     ProtocolError,
     TransferAbortedError,
@@ -169,7 +170,8 @@ class Puller:
         ann = core.registry.announced(src)
         choice = await core.paths.choose(
             peer=src, peer_host=ann.host if ann else "", peer_tcp=ann.tcp if ann else b"",
-            peer_shared=ann.shared if ann else None, mem=core.mem(), codec=want_codec)
+            peer_shared=ann.shared if ann else None, mem=core.mem(), codec=want_codec,
+            peer_offer=ann.cuda_ipc if ann else None)
         try:
             return await self._stream(entry, span, blocks, mode, have, lookahead, deadline,
                                       want_codec, choice, ann.shared if ann else None)
@@ -188,7 +190,17 @@ class Puller:
             try:
                 manifest = self._check(reply, entry, len(blocks), want_codec)
                 path, peer_address = self._path(manifest, choice, mapped)
-            except (ProtocolError, TransferAbortedError):
+                if path == "cuda_ipc":
+                    mem = core.mem()
+                    ann = core.registry.announced(src)
+                    await choice.open(src, manifest.src_device, ann.cuda_ipc if ann else None, mem)
+                    if (why := choice.refusal(manifest.src_blocks)) is not None:
+                        raise ProtocolError(why)
+                    if entry.ending is not None or core.memory is not mem:
+                        raise TransferAbortedError(f"pull of {request_id!r} ended while its "
+                                                   "source was opened", request_id=request_id,
+                                                   peer=src)
+            except KVStreamError:  # a bad answer, or the source's device KV not opened here
                 if isinstance(reply, m.Manifest) and reply.transfer_id:
                     await core.request_abort(src, reply.transfer_id, "bad pull answer")
                 raise
@@ -222,7 +234,7 @@ class Puller:
         core.paths.record(t, path, manifest.src_host)
         try:
             src_kept = without(manifest.src_blocks, manifest.skip)
-            source = choice.source(src_kept, mem) if path == "shm" else None
+            source = choice.source(src_kept, mem) if path in ("shm", "cuda_ipc") else None
             if source is not None:
                 t.on_release(source.release)
             stream = RecvStream(core.env(path), handle, peer_address=peer_address,

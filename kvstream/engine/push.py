@@ -104,6 +104,7 @@ class Pusher:
             src_shared=core.paths.shared if wire_codec == "none" else None,
             src_secrets=core.paths.proofs(dst_instance, transfer.transfer_id)
             if wire_codec == "none" else [],
+            src_device=core.paths.device_for(dst_instance, codec=wire_codec),
         )
         reply: m.ControlUnion | None = None
         try:
@@ -129,8 +130,9 @@ class Pusher:
         peer_host = announced.host if announced is not None else ""  # "": not same-host
         try:
             check_skip(reply.skip, len(blocks))
-            if (why := core.paths.refusal(reply.path, peer=dst_instance,
-                                          peer_tcp=reply.dst_tcp, codec=wire_codec)):
+            if (why := core.paths.refusal(reply.path, peer=dst_instance, peer_tcp=reply.dst_tcp,
+                                          codec=wire_codec,
+                                          sent_device=manifest.src_device is not None)):
                 raise ProtocolError(f"{dst_instance} chose a path this instance refuses: {why}")
             if entry.ending is not None:  # ended while negotiating (shutdown, abort)
                 raise TransferAbortedError(f"push of {request_id!r} ended: {entry.ending[1]}",
@@ -151,7 +153,7 @@ class Pusher:
                             peer_address=reply.dst_tcp if reply.path == "tcp" else reply.dst_address,
                             src_tag=src_tag, dst_tag=reply.dst_tag,
                             dst_contiguous=is_run(without(reply.dst_blocks, reply.skip)),
-                            mapped=reply.path == "shm", path=reply.path)
+                            mapped=reply.path in ("shm", "cuda_ipc"), path=reply.path)
         core.run_stream(entry, stream, timeout)
         return handle
 

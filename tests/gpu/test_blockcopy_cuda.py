@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstream import cuda_ipc
 from kvstream._exceptions import InvalidBlockError
-from kvstream.dataplane import blockcopy, cuda_ipc
+from kvstream.dataplane import blockcopy
 
 pytestmark = [pytest.mark.gpu]
 

@@ -1,6 +1,6 @@
 """The batched block copy (kvstream.dataplane.blockcopy, csrc/blockcopy.c) against the torch
 reference ``dst[dst_idx] = src[src_idx]`` bit for bit, its refusals, layer_items, the
-ctypes.memmove fallback; and kvstream.dataplane.cuda_ipc's handle checks over a fake cupy."""
+ctypes.memmove fallback; and kvstream.cuda_ipc's handle checks over a fake cupy."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstream import cuda_ipc
 from kvstream._exceptions import ConfigError, DataPlaneError, InvalidBlockError, LayoutError, ProtocolError
-from kvstream.dataplane import blockcopy, cuda_ipc
+from kvstream.dataplane import blockcopy
 from kvstream.memory import RegisteredKV
 from tests.fakes import cache, small_layout
 
@@ -208,7 +209,7 @@ def test_fallback_without_a_compiler(monkeypatch, tmp_path, caplog) -> None:
     assert "C block copy unavailable" in caplog.text
 
 
-# ---- kvstream.dataplane.cuda_ipc over a fake cupy runtime ----
+# ---- kvstream.cuda_ipc over a fake cupy runtime ----
 
 BASE, ALLOC = 0x7F0000000000, 1 << 21
 UUID = bytes(range(16))
@@ -262,6 +263,7 @@ def runtime(monkeypatch) -> FakeRuntime:
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(cuda_ipc, "_address_range", lambda ptr: (BASE, ALLOC))
     monkeypatch.setattr(cuda_ipc, "_opened", {})
+    monkeypatch.setattr(cuda_ipc, "_gpus", None)
     return rt
 
 

@@ -35,8 +35,8 @@ NBLOCKS = 16
 
 
 def _cfg(instance_id: str, **kw: object) -> AgentConfig:
-    return AgentConfig(instance_id=instance_id, nats_url="memory://", heartbeat_s=0.2,
-                       peer_timeout_s=1.0, request_timeout_s=1.0, **kw)  # type: ignore[arg-type]
+    kw = {"heartbeat_s": 0.2, "peer_timeout_s": 1.0, "request_timeout_s": 1.0, **kw}
+    return AgentConfig(instance_id=instance_id, nats_url="memory://", **kw)  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager
@@ -177,7 +177,12 @@ async def test_abort_mid_push_releases_everything(who):
 
 
 async def test_abort_mid_lazy_pull_releases_the_offer():
-    async with _pair() as (p, d, _):
+    # Liveness is not under test: both agents share one event loop, and a stall of the
+    # process longer than _cfg's 1s peer timeout (a loaded machine) would make either hold
+    # the other dead mid-pull (PeerLostError, a FAILED offer, or d's first renewal answered
+    # "p no longer holds the KV"). Timeouts far past any stall; the waits stay bounded.
+    patient = {"peer_timeout_s": 60.0, "request_timeout_s": 10.0}
+    async with _pair(p_kw=patient, d_kw=patient) as (p, d, _):
         offer = p.offer("r", [1, 2])
         offer.all_ready()
         rx = await d.pull("r", "p", [3, 4], mode="lazy", lookahead=0, secret=offer.secret)

@@ -1,0 +1,166 @@
+"""Transfer plans between unequal layouts (issue 18), in memory: random layout pairs (TP
+1/2/4/8 either side, 1-16 KV heads, block sizes 1-128 including non-multiples, every
+arrangement, fp16/bf16/fp32), every destination element checked against the model-wide
+truth, read back by an independent reader of each arrangement (``bench.sources``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstream._exceptions import LayoutError
+from kvstream.bench.sources import _kv_heads
+from kvstream.layout import KVLayout
+from kvstream.transfer.plan import Shard, incompatibility, pack, plan, unpack
+
+ARRANGEMENTS = ["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc"]
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def _read(shard: Shard, t: torch.Tensor, blocks: list[int], tokens: int) -> torch.Tensor:
+    """``[kv, tokens, heads, d]`` of the request, through the independent reader."""
+    lay = shard.layout
+    if lay.kv_factor == 1:
+        flat = t.reshape(-1, lay.head_dim)
+        rows = [blocks[p // lay.block_size] * lay.block_size + p % lay.block_size
+                for p in range(tokens)]
+        return flat[rows].float()[None, :, None, :]
+    k, v = _kv_heads(lay, t)  # [h, all tokens in block order, d]
+    rows = torch.tensor([blocks[p // lay.block_size] * lay.block_size + p % lay.block_size
+                         for p in range(tokens)], dtype=torch.int64)
+    return torch.stack([k[:, rows].transpose(0, 1), v[:, rows].transpose(0, 1)])
+
+
+def _shards(total: int, tp: int, layers: int, d: int, bs: int, arr: str, dtype: str
+            ) -> list[Shard]:
+    heads = max(1, total // tp)
+    lay = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=d, block_size=bs,
+                   dtype=dtype, arrangement=arr)
+    return [Shard(layout=lay, total_kv_heads=total, tp_rank=r, tp_size=tp) for r in range(tp)]
+
+
+def _blocks(gen: torch.Generator, tokens: int, bs: int) -> tuple[list[int], int]:
+    need = -(-tokens // bs)
+    num_blocks = need + 3
+    return torch.randperm(num_blocks, generator=gen)[:need].tolist(), num_blocks
+
+
+def _move(src: list[Shard], dst: list[Shard], tokens: int, seed: int) -> None:
+    """Every source rank holds its heads of one model-wide truth; every destination rank
+    is filled from the plan; each is checked element by element."""
+    gen = torch.Generator().manual_seed(seed)
+    kv, d, total = src[0].layout.kv_factor, src[0].layout.head_dim, src[0].total_kv_heads
+    truth = torch.randn(kv, tokens, total, d, generator=gen)
+    src_caches = []
+    for s in src:
+        blocks, n = _blocks(gen, tokens, s.layout.block_size)
+        t = torch.zeros(s.layout.tensor_shape(n), dtype=getattr(torch, s.layout.dtype))
+        unpack(truth[:, :, s.heads.start:s.heads.stop].contiguous(), t, s.layout, blocks)
+        src_caches.append((t, blocks))
+        assert torch.equal(_read(s, t, blocks, tokens),
+                           truth[:, :, s.heads.start:s.heads.stop].to(t.dtype).float())
+    for r in dst:
+        blocks, n = _blocks(gen, tokens, r.layout.block_size)
+        t = torch.zeros(r.layout.tensor_shape(n), dtype=getattr(torch, r.layout.dtype))
+        for part in plan(r, src):
+            st_, sb = src_caches[part.source]
+            wire = pack(st_, src[part.source].layout, sb, tokens,
+                        range(part.src_head, part.src_head + part.heads))
+            unpack(wire, t, r.layout, blocks, part.dst_head)
+        want = truth[:, :, r.heads.start:r.heads.stop].to(getattr(torch, src[0].layout.dtype))
+        assert torch.equal(_read(r, t, blocks, tokens), want.to(t.dtype).float()), r.describe()
+        # The slots past the last token of the last block are untouched.
+        pad = -tokens % r.layout.block_size
+        if pad:
+            whole = _read(r, t, blocks, tokens + pad)
+            assert not whole[:, tokens:].any()
+
+
+def _tp_for(total: int) -> st.SearchStrategy[int]:
+    return st.sampled_from([tp for tp in (1, 2, 4, 8) if total % tp == 0 or tp % total == 0])
+
+
+@st.composite
+def layout_pairs(draw: st.DrawFn):
+    total = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    d = draw(st.sampled_from([8, 16, 24]))
+    layers = 1
+    sides = []
+    for _ in range(2):
+        sides.append(_shards(total, draw(_tp_for(total)), layers, d,
+                             draw(st.integers(1, 128)), draw(st.sampled_from(ARRANGEMENTS)),
+                             draw(st.sampled_from(DTYPES))))
+    tokens = draw(st.integers(1, 300))
+    return sides[0], sides[1], tokens, draw(st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_pairs())
+def test_random_layout_pairs_move_every_element(pair) -> None:
+    src, dst, tokens, seed = pair
+    _move(src, dst, tokens, seed)
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 128), (128, 16), (48, 32), (1, 7)])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (4, 8), (8, 2)])
+def test_block_sizes_and_tp_both_ways(src_bs, dst_bs, src_tp, dst_tp) -> None:
+    _move(_shards(4, src_tp, 1, 16, src_bs, "flash_nhd", "float16"),
+          _shards(4, dst_tp, 1, 16, dst_bs, "flash_hnd", "float16"), tokens=133, seed=1)
+
+
+def test_mla_latent_moves_from_one_rank() -> None:
+    src = [Shard(layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, block_size=16,
+                                 arrangement="mla"), total_kv_heads=1, tp_rank=r, tp_size=2)
+           for r in range(2)]
+    dst = [Shard(layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, block_size=64,
+                                 arrangement="mla"), total_kv_heads=1, tp_rank=r, tp_size=4)
+           for r in range(4)]
+    assert all(plan(r, src) == plan(dst[0], src) for r in dst)
+    assert [p.source for p in plan(dst[3], src)] == [0]
+    _move(src, dst, tokens=100, seed=2)
+
+
+def test_replicated_heads_take_one_source_each() -> None:
+    src = _shards(2, 8, 1, 8, 16, "flash_nhd", "float16")  # 4 ranks per head
+    assert [s.head_start for s in src] == [0, 0, 0, 0, 1, 1, 1, 1]
+    dst = _shards(2, 1, 1, 8, 16, "flash_nhd", "float16")[0]
+    assert [(p.source, p.dst_head) for p in plan(dst, src)] == [(0, 0), (4, 1)]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"num_layers": 3}, "2 layers against 3"),
+    ({"head_dim": 32}, "head_dim 16 against 32"),
+    ({"dtype": "float8_e4m3fn"}, "FP8"),
+])
+def test_what_cannot_be_mapped_is_refused_naming_both(change, match) -> None:
+    base = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "block_size": 16}
+    a = Shard(layout=KVLayout(**base), total_kv_heads=4)
+    b = Shard(layout=KVLayout(**{**base, **change}), total_kv_heads=4)
+    why = incompatibility(a, b)
+    assert why is not None and match in why and "TP rank 0/1" in why
+    with pytest.raises(LayoutError, match=match):
+        plan(b, [a])
+
+
+def test_other_model_head_counts_mla_and_missing_heads_are_refused() -> None:
+    a = _shards(8, 2, 1, 16, 16, "flash_nhd", "float16")
+    b = _shards(4, 1, 1, 16, 16, "flash_nhd", "float16")
+    assert "8 and 4 KV heads" in (incompatibility(a[0], b[0]) or "")
+    mla = Shard(layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16,
+                                arrangement="mla"), total_kv_heads=1)
+    assert "MLA" in (incompatibility(mla, _shards(1, 1, 1, 16, 16, "flash_nhd", "float16")[0])
+                     or "")
+    with pytest.raises(LayoutError, match="no source holds KV head 4"):
+        plan(_shards(8, 1, 1, 16, 16, "flash_nhd", "float16")[0], a[:1])
+
+
+def test_shards_must_match_their_tp_split() -> None:
+    lay = KVLayout(num_layers=1, num_kv_heads=4, head_dim=16, block_size=16)
+    with pytest.raises(LayoutError, match="holds 2"):
+        Shard(layout=lay, total_kv_heads=8, tp_rank=0, tp_size=4)
+    with pytest.raises(LayoutError, match="do not split"):
+        Shard(layout=lay, total_kv_heads=6, tp_rank=0, tp_size=4)
+    with pytest.raises(LayoutError, match="rank 2 of 2"):
+        Shard(layout=lay, total_kv_heads=8, tp_rank=2, tp_size=2)
