@@ -48,6 +48,7 @@ from kvstream.transfer import TransferResult as TransferResult
 from kvstream.transfer import TransferState as TransferState
 from kvstream.transfer.handles import ReceiveHandle as ReceiveHandle
 from kvstream.transfer.handles import SendHandle as SendHandle
+from kvstream.transfer.plan import TpInfo as TpInfo
 
 __version__ = "0.1.0"
 
@@ -89,6 +90,7 @@ __all__ = (
     "Side",
     "Sidecar",
     "SidecarLostError",
+    "TpInfo",
     "TransferAbortedError",
     "TransferError",
     "TransferResult",

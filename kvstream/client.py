@@ -193,10 +193,12 @@ class _LocalClient:
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
                    block_hashes: Sequence[int] | None = None, codec: str | None = None,
-                   timeout: float | None = None, trace_context: Context | None = None) -> Any:
+                   timeout: float | None = None, trace_context: Context | None = None,
+                   tokens: int | None = None) -> Any:
         return await self.agent.push(request_id, dst, src_blocks, dst_blocks=dst_blocks,
                                      mode=mode, block_hashes=block_hashes, codec=codec,
-                                     timeout=timeout, trace_context=trace_context)
+                                     timeout=timeout, trace_context=trace_context,
+                                     tokens=tokens)
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
@@ -207,10 +209,12 @@ class _LocalClient:
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "") -> Any:
+                   trace_context: Context | None = None, secret: str = "",
+                   tokens: int | None = None) -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
                                      lookahead=lookahead, codec=codec, timeout=timeout,
-                                     trace_context=trace_context, secret=secret)
+                                     trace_context=trace_context, secret=secret,
+                                     tokens=tokens)
 
     async def statistics(self) -> dict[str, int]:
         return self.agent.statistics().counts()
@@ -396,14 +400,14 @@ class _SidecarClient:
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
                    block_hashes: Sequence[int] | None = None, codec: str | None = None,
-                   timeout: float | None = None, trace_context: Context | None = None
-                   ) -> RemoteSend:
+                   timeout: float | None = None, trace_context: Context | None = None,
+                   tokens: int | None = None) -> RemoteSend:
         return await self.request(
             lp.Push(request_id=request_id, dst=dst, src_blocks=list(src_blocks),
                     dst_blocks=list(dst_blocks) if dst_blocks is not None else None,
                     mode=mode, block_hashes=list(block_hashes or []),  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),
-                    timeout=check_timeout(timeout)),
+                    timeout=check_timeout(timeout), tokens=tokens),
             lambda ok: RemoteSend(self, ok.handle, ok.num_layers, request_id))
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
@@ -424,13 +428,14 @@ class _SidecarClient:
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "") -> RemoteReceive:
+                   trace_context: Context | None = None, secret: str = "",
+                   tokens: int | None = None) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(
             lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),
-                    timeout=check_timeout(timeout), secret=secret),
+                    timeout=check_timeout(timeout), secret=secret, tokens=tokens),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

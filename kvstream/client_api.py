@@ -38,8 +38,10 @@ class TransferClient(Protocol):
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
                    block_hashes: Sequence[int] | None = None, codec: str | None = None,
-                   timeout: float | None = None, trace_context: Context | None = None) -> Any:
-        """Send ``src_blocks`` to instance ``dst``; a send handle (mark layers ready)."""
+                   timeout: float | None = None, trace_context: Context | None = None,
+                   tokens: int | None = None) -> Any:
+        """Send ``src_blocks`` to instance ``dst``; a send handle (mark layers ready).
+        ``tokens``: what the blocks hold, for a destination of another block size."""
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
@@ -50,9 +52,10 @@ class TransferClient(Protocol):
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "") -> Any:
+                   trace_context: Context | None = None, secret: str = "",
+                   tokens: int | None = None) -> Any:
         """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``; ``secret`` is
-        the offer's, as the source handed it out."""
+        the offer's, as the source handed it out; ``tokens`` as for ``push``."""
 
     async def statistics(self) -> dict[str, int]:
         """The agent's counters (``AgentStatistics``' integer fields)."""

@@ -11,6 +11,7 @@ import msgspec
 from kvstream._exceptions import ConfigError
 from kvstream.control.auth import NatsAuth
 from kvstream.control.subjects import Subjects
+from kvstream.transfer.plan import TpInfo
 
 __all__ = ["PATHS", "PROGRESS_MODES", "AgentConfig", "check_endpoint", "check_timeout"]
 
@@ -95,6 +96,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # This host's identity for same-host paths ("" = the boot id and PID namespace); set
     # one per instance to make peers on one machine act as if on two.
     host_id: str = ""
+    # This instance's share of its engine's tensor parallelism (which KV heads its layout
+    # holds); peers with other layouts or shares move KV through a plan (transfer/plan.py).
+    tp: TpInfo = msgspec.field(default_factory=TpInfo)
 
     def __post_init__(self) -> None:
         Subjects.check_instance_id(self.instance_id)

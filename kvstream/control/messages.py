@@ -34,6 +34,7 @@ from kvstream._exceptions import MessageDecodeError
 from kvstream.cuda_ipc import DeviceExport, DeviceOffer
 from kvstream.layout import KVLayout
 from kvstream.shm import SharedExport
+from kvstream.transfer.plan import Reshape, TpInfo
 
 __all__ = [
     "MIN_PROTOCOL_VERSION",
@@ -127,6 +128,8 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # which GPU); the handles themselves go in one transfer's manifest only
     # (``Manifest.src_device``).
     cuda_ipc: DeviceOffer | None = None
+    # Its share of its engine's tensor parallelism (issue 18: which heads its layout holds).
+    tp: TpInfo | None = None
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
@@ -176,6 +179,11 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
                            msgspec.Meta(max_length=64)] = []
     # path "cuda_ipc": the source's device KV, for this destination to open (same host).
     src_device: DeviceExport | None = None
+    # Between unequal layouts (issue 18): the source's layout and TP share, and the plan
+    # both ends derive (the destination refuses one it would not derive itself).
+    reshape: Reshape | None = None
+    src_layout: KVLayout | None = None
+    src_tp: TpInfo | None = None
 
 
 class Accept(ControlMessage, tag="kv.accept", frozen=True):
@@ -217,6 +225,11 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     path: DataPath = "ucx"
     dst_host: HostId = ""
     dst_tcp: TcpAddress = b""
+    # Between unequal layouts (issue 18): the puller's plan (the source may answer with
+    # fewer tokens, what its offer holds) and its layout and TP share.
+    reshape: Reshape | None = None
+    dst_layout: KVLayout | None = None
+    dst_tp: TpInfo | None = None
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):

@@ -16,10 +16,9 @@ import numpy as np
 from kvstream import telemetry
 from kvstream._exceptions import KVStreamError
 from kvstream.dataplane import wire
+from kvstream.dataplane.reshape import framing_codec, layer_bytes_of, transfer_codec
 from kvstream.dataplane.stream import Stream, StreamEnv, single_message_for
 from kvstream.memory import run_copy
-from kvstream.quant.codec import make_codec
-from kvstream.quant.scheme import wire_layer_bytes
 from kvstream.transfer.state import TransferState
 
 if TYPE_CHECKING:
@@ -47,11 +46,11 @@ class SendStream(Stream):
         self.src_tag = src_tag
         self.dst_tag = dst_tag
         t = handle.transfer
-        self.codec = make_codec(env.memory, t.codec)
-        self.layer_bytes = wire_layer_bytes(env.memory.layout, t.codec, len(handle.blocks))
+        self.codec = transfer_codec(env.memory, t)
+        self.layer_bytes = layer_bytes_of(env.memory, t, len(handle.blocks))
         self.single = not mapped and single_message_for(
-            env.memory, handle.blocks.contiguous_start is not None, dst_contiguous, t.codec,
-            path)
+            env.memory, handle.blocks.contiguous_start is not None, dst_contiguous,
+            framing_codec(t), path)
         # A byte-stream transport sends the blocks where they lie: no gather.
         self.vectored = self.single and env.transport.vectored
         self.granted = 0

@@ -20,9 +20,16 @@ from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.recv import RecvStream
+from kvstream.dataplane.reshape import layer_bytes_of
 from kvstream.dataplane.stream import single_message_for
 from kvstream.engine.book import Kind
-from kvstream.engine.rules import layout_mismatch, peer_refusal, shrink, without
+from kvstream.engine.rules import (
+    layout_mismatch,
+    peer_refusal,
+    reshape_refusal,
+    shrink,
+    without,
+)
 from kvstream.memory import is_run
 from kvstream.prefix import skipped_indices
 from kvstream.quant.scheme import wire_layer_bytes
@@ -131,8 +138,11 @@ class Admission:
         if msg.codec not in core.config.accept_codecs:
             return reject("incompatible", f"codec {msg.codec!r} is not accepted here "
                           f"(AgentConfig.accept_codecs: {', '.join(core.config.accept_codecs)})")
-        if (why := layout_mismatch(mem, msg.fingerprint, msg.num_layers, msg.codec,
-                                       msg.cache_scales)) is not None:
+        if msg.reshape is not None:
+            if (why := reshape_refusal(msg, mem, core.config.tp)) is not None:
+                return reject("incompatible", why)
+        elif (why := layout_mismatch(mem, msg.fingerprint, msg.num_layers, msg.codec,
+                                     msg.cache_scales)) is not None:
             return reject("incompatible", why)
         refused = peer_refusal(msg.src, msg.src_address, core.registry, core.transport,
                                "manifest")
@@ -146,7 +156,7 @@ class Admission:
             else None
         choice = await core.paths.choose(peer=msg.src, peer_host=msg.src_host,
                                          peer_tcp=msg.src_tcp, peer_shared=shared,
-                                         mem=mem, codec=msg.codec, proofs=msg.src_secrets,
+                                         mem=mem, codec=_framing(msg), proofs=msg.src_secrets,
                                          transfer_id=msg.transfer_id,
                                          peer_device=msg.src_device,
                                          peer_offer=announced.cuda_ipc if announced else None)
@@ -166,7 +176,7 @@ class Admission:
         if entry is not None and entry.kind is not Kind.RESERVATION:
             return reject("duplicate", f"request {msg.request_id!r} already has a "
                           f"{'staged ' if entry.kind is Kind.STAGED else ''}push")
-        if not msg.src_blocks or len(msg.src_blocks) > mem.num_blocks:
+        if not msg.src_blocks or (len(msg.src_blocks) > mem.num_blocks and msg.reshape is None):
             return reject("invalid_blocks", f"{len(msg.src_blocks)} blocks per layer cannot land "
                           f"in {mem.num_blocks} registered blocks")
         if len(msg.block_hashes) > len(msg.src_blocks):
@@ -183,13 +193,14 @@ class Admission:
         handle: ReceiveHandle = entry.handle
         full = handle.blocks
         assert full is not None  # a reservation always has its blocks
-        if len(msg.src_blocks) != len(full) or (msg.dst_blocks and msg.dst_blocks != full.ids):
+        if _dst_count(msg, mem) != len(full) or (msg.dst_blocks and msg.dst_blocks != full.ids):
             return reject("invalid_blocks", f"{len(msg.src_blocks)} source blocks do not map "
                           f"onto the {len(full)} blocks reserved for {msg.request_id!r}")
         core.book.bind(entry, msg.transfer_id, msg.src)
         t = handle.transfer
         t.transfer_id, t.peer, t.codec = msg.transfer_id, msg.src, msg.codec
-        t.layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+        t.reshape = msg.reshape
+        t.layer_bytes = layer_bytes_of(mem, t, len(msg.src_blocks))
         _trace(t, msg, headers)
         t.started_at = core.clock()  # the transfer deadline counts from the offer
         skip = skipped_indices(msg.block_hashes, handle.have)
@@ -212,8 +223,9 @@ class Admission:
         backs off and retries for staging_wait_s)."""
         core = self.core
         single = choice.path not in ("shm", "cuda_ipc") and \
-            single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path)
-        layer_bytes = wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
+            single_message_for(mem, is_run(msg.src_blocks), False, _framing(msg), choice.path)
+        layer_bytes = msg.reshape.layer_bytes(mem.layout) if msg.reshape is not None else \
+            wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
         need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers
         held = sum(e.staged_bytes for e in core.book.receiving.values()
                    if e.kind is Kind.STAGED and e.peer == msg.src)
@@ -237,6 +249,7 @@ class Admission:
                      peer=msg.src, num_layers=msg.num_layers, layer_bytes=layer_bytes,
                      clock=core.clock)
         t.codec = msg.codec
+        t.reshape = msg.reshape
         _trace(t, msg, headers)
         handle = ReceiveHandle(t, core.aborter(entry), blocks=None)
         core.track(entry, handle)
@@ -259,7 +272,8 @@ class Admission:
         stream = RecvStream(core.env(choice.path), handle,
                             peer_address=choice.tcp if choice.path == "tcp" else msg.src_address,
                             src_tag=msg.src_tag, dst_tag=dst_tag,
-                            src_contiguous=is_run(src_kept), nblocks=len(src_kept),
+                            src_contiguous=is_run(src_kept),
+                            nblocks=len(src_kept) if msg.reshape is None else _dst_count(msg, core.mem()),
                             staged_slots=staged, source=source, path=choice.path)
         core.run_stream(entry, stream, msg.deadline_s)
         return m.Accept(transfer_id=msg.transfer_id, dst_tag=dst_tag,
@@ -268,3 +282,15 @@ class Admission:
                         dst_blocks=accepted, skip=skip, path=choice.path,  # type: ignore[arg-type]
                         dst_tcp=core.paths.tcp_address)
 
+
+def _framing(msg: m.Manifest) -> str:
+    """The codec the framing and the path choice see: a reshape stages both ends."""
+    return "reshape" if msg.reshape is not None else msg.codec
+
+
+def _dst_count(msg: m.Manifest, mem: RegisteredKV) -> int:
+    """The destination blocks a manifest fills: one per source block, or as many as the
+    reshaped tokens need here."""
+    if msg.reshape is not None:
+        return mem.layout.blocks_for_tokens(msg.reshape.tokens)
+    return len(msg.src_blocks)

@@ -166,11 +166,14 @@ class Agent:
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
                    block_hashes: Sequence[int] | None = None, codec: str | None = None,
-                   timeout: float | None = None, trace_context: Context | None = None
-                   ) -> SendHandle:
+                   timeout: float | None = None, trace_context: Context | None = None,
+                   tokens: int | None = None) -> SendHandle:
+        """``tokens``: how many tokens the blocks hold (the last may be partial), needed
+        only when the destination's block size differs (default: what both ends hold)."""
         return await self._pusher.push(
             request_id, dst, src_blocks, dst_blocks=dst_blocks, mode=mode,
-            timeout=timeout, block_hashes=block_hashes, codec=codec, trace_context=trace_context)
+            timeout=timeout, block_hashes=block_hashes, codec=codec, trace_context=trace_context,
+            tokens=tokens)
 
     def offer(self, request_id: str, src_blocks: Sequence[int], *,
               block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
@@ -181,10 +184,15 @@ class Agent:
     async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
                    mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "") -> ReceiveHandle:
+                   trace_context: Context | None = None, secret: str = "",
+                   tokens: int | None = None) -> ReceiveHandle:
+        """``tokens``: how many tokens the blocks are to hold, needed only when the
+        source's block size differs (default: all they hold; the source may send fewer,
+        what its offer holds)."""
         return await self._puller.pull(
             request_id, src, dst_blocks, mode=mode, have=have, lookahead=lookahead,
-            timeout=timeout, codec=codec, trace_context=trace_context, secret=secret)
+            timeout=timeout, codec=codec, trace_context=trace_context, secret=secret,
+            tokens=tokens)
 
     async def keep(self, request_id: str, src_instance: str, secret: str = "") -> RemoteLease:
         return await self._keeper.keep(request_id, src_instance, secret)

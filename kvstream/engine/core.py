@@ -127,6 +127,7 @@ class Core:
     def register(self, mem: RegisteredKV) -> RegisteredKV:
         if self.memory is not None:
             raise ConfigError("KV memory is already registered with this agent")
+        self.config.tp.shard(mem.layout)  # LayoutError: the layout is not this TP share's
         self.memory = mem
         self.paths.register(mem)
         self.staging.device = str(mem.device)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError
+from kvstream._exceptions import ConfigError, IncompatiblePeerError
 from kvstream.control import messages as m
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.book import Kind, secret_matches
@@ -26,6 +26,7 @@ from kvstream.engine.rules import (
     check_mode,
     layout_mismatch,
     peer_refusal,
+    reshape_between,
     shrink,
     without,
 )
@@ -33,6 +34,7 @@ from kvstream.memory import is_run
 from kvstream.prefix import skipped_indices
 from kvstream.quant.scheme import effective_codec, wire_fingerprint
 from kvstream.transfer.handles import SendHandle
+from kvstream.transfer.plan import TpInfo
 from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 
 if TYPE_CHECKING:
@@ -99,7 +101,12 @@ class Offers:
             return reject("incompatible", str(exc))
         # Verbatim bytes need the same layout; a codec, the same wire format.
         theirs = msg.fingerprint if codec == "none" else msg.wire_fingerprint
-        if (why := layout_mismatch(mem, theirs, msg.num_layers, codec)) is not None:
+        if msg.reshape is not None:
+            if codec != "none" or msg.dst_layout is None or \
+                    msg.num_layers != mem.layout.num_layers:
+                return reject("incompatible", "a reshaped pull needs codec 'none', the puller's "
+                              "layout and as many layers as here")
+        elif (why := layout_mismatch(mem, theirs, msg.num_layers, codec)) is not None:
             return reject("incompatible", why)
         refused = peer_refusal(msg.dst, msg.dst_address, core.registry, core.transport, "pull")
         if refused is not None:
@@ -115,16 +122,31 @@ class Offers:
                           "offer's secret")
         handle: SendHandle = entry.handle
         full = handle.blocks
-        if len(msg.dst_blocks) != len(full):
+        reshape = None
+        if msg.reshape is not None:
+            assert msg.dst_layout is not None  # checked above
+            # The tokens the offer holds, if fewer than asked (a partial last block).
+            tokens = min(msg.reshape.tokens, len(full) * mem.layout.block_size)
+            try:
+                reshape = reshape_between(mem.layout, core.config.tp, msg.dst_layout,
+                                          msg.dst_tp or TpInfo(), tokens)
+            except IncompatiblePeerError as exc:
+                return reject("incompatible", str(exc))
+            if mem.layout.blocks_for_tokens(tokens) != len(full) or \
+                    msg.dst_layout.blocks_for_tokens(tokens) != len(msg.dst_blocks):
+                return reject("invalid_blocks", f"{len(full)} blocks offered and "
+                              f"{len(msg.dst_blocks)} asked do not both hold {tokens} tokens")
+        elif len(msg.dst_blocks) != len(full):
             return reject("invalid_blocks", f"{len(msg.dst_blocks)} destination blocks for the "
                           f"{len(full)} blocks offered for {msg.request_id!r}")
-        skip = skipped_indices(handle.block_hashes, msg.have)
+        skip = [] if reshape else skipped_indices(handle.block_hashes, msg.have)
         core.book.serve(entry, msg.dst, core.clock())
         t = handle.transfer
         t.peer = msg.dst
         t.started_at = core.clock()  # the transfer deadline counts from the pull
         t.deadline_s = msg.deadline_s
         t.codec = codec
+        t.reshape = reshape
         telemetry.trace_transfer(t, telemetry.open_span(
             "kvstream.serve_pull", parent=telemetry.context_from(headers),
             kind=SpanKind.PRODUCER, request_id=t.request_id, transfer_id=t.transfer_id,
@@ -138,6 +160,8 @@ class Offers:
         if why is not None:
             log.info("the pull of %r asks for path %s: %s; sending over UCX", msg.request_id,
                      msg.path, why)
+        if reshape is not None and msg.path in ("shm", "cuda_ipc"):
+            why = "a reshape is packed and sent, not read in place"
         path = msg.path if why is None else "ucx"
         core.paths.record(t, path, msg.dst_host)
         manifest = m.Manifest(
@@ -152,7 +176,9 @@ class Offers:
             path=path, src_host=core.paths.host, src_tcp=core.paths.tcp_address,
             src_shared=core.paths.shared if path == "shm" else None,
             src_secrets=core.paths.proofs(msg.dst, t.transfer_id) if path == "shm" else [],
-            src_device=core.paths.device_for(msg.dst, path, codec))
+            src_device=core.paths.device_for(msg.dst, path, codec),
+            reshape=reshape, src_layout=mem.layout if reshape else None,
+            src_tp=core.config.tp if reshape else None)
         core.registry.contact(msg.dst)
         if not handle.blocks:
             core.complete_empty(t)

@@ -18,6 +18,7 @@ from kvstream import telemetry
 from kvstream._exceptions import (
     ConfigError,
     IncompatiblePeerError,
+    InvalidBlockError,
     KVStreamError,
     NoPeerError,
     ProtocolError,
@@ -35,12 +36,15 @@ from kvstream.engine.rules import (
     check_mode,
     check_skip,
     layout_mismatch,
+    needs_reshape,
+    reshape_between,
     shrink,
     without,
 )
 from kvstream.memory import is_run
 from kvstream.quant.scheme import effective_codec, wire_fingerprint
 from kvstream.transfer.handles import ReceiveHandle
+from kvstream.transfer.plan import Reshape, TpInfo
 from kvstream.transfer.state import Side, Transfer, TransferState
 
 if TYPE_CHECKING:
@@ -63,7 +67,8 @@ class Puller:
     async def pull(self, request_id: str, src_instance: str, dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    timeout: float | None = None, codec: str | None = None,
-                   trace_context: Context | None = None, secret: str = "") -> ReceiveHandle:
+                   trace_context: Context | None = None, secret: str = "",
+                   tokens: int | None = None) -> ReceiveHandle:
         core = self.core
         mem = core.mem()
         want_codec = effective_codec(codec or core.config.codec, mem.layout)
@@ -74,21 +79,44 @@ class Puller:
         Subjects.check_instance_id(src_instance)
         check_timeout(timeout)
         blocks = mem.block_map(dst_blocks, what="destination block")
+        reshape = self._reshape(src_instance, len(blocks), tokens, want_codec)
         entry = core.book.pull(src_instance, request_id, core.clock(), secret)
         span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
                                    request_id=request_id, side="recv", peer=src_instance,
                                    mode=mode, codec=want_codec, blocks=len(blocks))
         try:
-            return await self._pull(entry, span, blocks, mode, list(have), lookahead,
-                                    timeout or core.config.transfer_timeout_s, want_codec)
+            return await self._pull(entry, span, blocks, mode, [] if reshape else list(have),
+                                    lookahead, timeout or core.config.transfer_timeout_s,
+                                    want_codec, reshape)
         except BaseException as exc:
             telemetry.end_untracked(span, exc)
             core.book.drop(entry)  # never got its transfer (or it already ended)
             raise
 
+    def _reshape(self, src: str, nblocks: int, tokens: int | None,
+                 codec: str) -> Reshape | None:
+        """The plan from a source whose layout or TP share differs (None: equal)."""
+        core = self.core
+        mem = core.mem()
+        ann = core.registry.announced(src)
+        if ann is None or ann.layout is None or \
+                not needs_reshape(ann.layout, ann.tp or TpInfo(), mem.layout, core.config.tp):
+            return None
+        if codec != "none":
+            # A codec's wire has its own fingerprint (any engine dtype of one layout
+            # decodes it); the destination checks it, as between equal layouts.
+            return None
+        have = nblocks * mem.layout.block_size
+        tokens = have if tokens is None else tokens
+        if not 0 < tokens <= have or mem.layout.blocks_for_tokens(tokens) != nblocks:
+            raise InvalidBlockError(f"{nblocks} blocks of {mem.layout.block_size} do not hold "
+                                    f"exactly {tokens} tokens")
+        return reshape_between(ann.layout, ann.tp or TpInfo(), mem.layout, core.config.tp,
+                               tokens)
+
     async def _ask(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                    have: list[int], deadline: float, want_codec: str,
-                   dst_tag: int, path: str) -> m.ControlUnion:
+                   dst_tag: int, path: str, reshape: Reshape | None) -> m.ControlUnion:
         core = self.core
         mem = core.mem()
         src = entry.peer
@@ -103,7 +131,9 @@ class Puller:
                            deadline_s=deadline, codec=want_codec,
                            wire_fingerprint=wire_fingerprint(mem.layout, want_codec),
                            secret=entry.secret, path=path,  # type: ignore[arg-type]
-                           dst_host=core.paths.host, dst_tcp=core.paths.tcp_address),
+                           dst_host=core.paths.host, dst_tcp=core.paths.tcp_address,
+                           reshape=reshape, dst_layout=mem.layout if reshape else None,
+                           dst_tp=core.config.tp if reshape else None),
                     timeout=core.config.request_timeout_s, peer=src,
                     headers=telemetry.headers_of(span))
         except BaseException as exc:
@@ -117,20 +147,22 @@ class Puller:
             raise
 
     def _check(self, reply: m.ControlUnion, entry: Entry, nblocks: int,
-               want_codec: str) -> m.Manifest:
+               want_codec: str, reshape: Reshape | None) -> m.Manifest:
         core, src, rid = self.core, entry.peer, entry.request_id
         if isinstance(reply, m.Reject):
             telemetry.count_refused("recv", reply.code)
             kind = REJECT_ERRORS.get(reply.code, TransferError)
             raise kind(f"{src} refused the pull of {rid!r}: {reply.reason}")
         if not isinstance(reply, m.Manifest) or reply.request_id != rid \
-                or reply.dst != core.instance_id \
-                or not reply.transfer_id or len(reply.src_blocks) != nblocks:
+                or reply.dst != core.instance_id or not reply.transfer_id \
+                or (len(reply.src_blocks) != nblocks and reshape is None):
             raise ProtocolError(f"unexpected answer to a pull: {type(reply).__name__}")
-        check_skip(reply.skip, nblocks)
         core.transport.check_address(reply.src_address)  # ProtocolError: before UCX sees it
         if not core.registry.address_ok(src, reply.src_address):
             raise ProtocolError(f"{src} answered with another worker address than it announces")
+        if reshape is not None or reply.reshape is not None:
+            return self._check_reshape(reply, entry, nblocks, reshape)
+        check_skip(reply.skip, nblocks)
         asked = reply.codec in (want_codec, "none")
         why = layout_mismatch(core.mem(), reply.fingerprint, reply.num_layers, reply.codec,
                                          reply.cache_scales)
@@ -141,6 +173,36 @@ class Puller:
         if entry.ending is not None:  # ended while asking (shutdown, unregister)
             raise TransferAbortedError(f"pull of {rid!r} ended: {entry.ending[1]}",
                                        request_id=rid, peer=src)
+        return reply
+
+    def _check_reshape(self, reply: m.Manifest, entry: Entry, nblocks: int,
+                       asked: Reshape | None) -> m.Manifest:
+        """A reshaped answer: the plan this side derives for the tokens the source holds."""
+        core, src = self.core, entry.peer
+        mem, r = core.mem(), reply.reshape
+        why = None
+        if asked is None or r is None or reply.src_layout is None:
+            why = "a reshape neither asked for nor answered"
+        elif reply.skip or reply.codec != "none" or r.tokens > asked.tokens or \
+                mem.layout.blocks_for_tokens(r.tokens) != nblocks:
+            why = f"the plan {r} does not fill the {nblocks} blocks asked for {asked.tokens} tokens"
+        elif reply.num_layers != mem.layout.num_layers:
+            why = f"{reply.num_layers} layers against {mem.layout.num_layers}"
+        else:
+            try:
+                mine = reshape_between(reply.src_layout, reply.src_tp or TpInfo(), mem.layout,
+                                       core.config.tp, r.tokens)
+            except IncompatiblePeerError as exc:
+                why = str(exc)
+            else:
+                if mine != r:
+                    why = f"the source's plan {r} is not this side's {mine}"
+        if why is not None:
+            raise IncompatiblePeerError(f"{src} answered the pull of {entry.request_id!r} "
+                                        f"with {why}")
+        if entry.ending is not None:
+            raise TransferAbortedError(f"pull of {entry.request_id!r} ended: {entry.ending[1]}",
+                                       request_id=entry.request_id, peer=src)
         return reply
 
     def _path(self, manifest: m.Manifest, choice: Choice,
@@ -164,31 +226,33 @@ class Puller:
 
     async def _pull(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                     have: list[int], lookahead: int, deadline: float,
-                    want_codec: str) -> ReceiveHandle:
+                    want_codec: str, reshape: Reshape | None) -> ReceiveHandle:
         core = self.core
         src = entry.peer
         ann = core.registry.announced(src)
         choice = await core.paths.choose(
             peer=src, peer_host=ann.host if ann else "", peer_tcp=ann.tcp if ann else b"",
-            peer_shared=ann.shared if ann else None, mem=core.mem(), codec=want_codec,
+            peer_shared=ann.shared if ann else None, mem=core.mem(),
+            codec="reshape" if reshape else want_codec,  # a reshape stages: no mapped path
             peer_offer=ann.cuda_ipc if ann else None)
         try:
             return await self._stream(entry, span, blocks, mode, have, lookahead, deadline,
-                                      want_codec, choice, ann.shared if ann else None)
+                                      want_codec, choice, ann.shared if ann else None, reshape)
         finally:
             choice.release()  # unless the stream took it
 
     async def _stream(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                       have: list[int], lookahead: int, deadline: float, want_codec: str,
-                      choice: Choice, mapped: SharedExport | None) -> ReceiveHandle:
+                      choice: Choice, mapped: SharedExport | None,
+                      reshape: Reshape | None) -> ReceiveHandle:
         core = self.core
         src, request_id = entry.peer, entry.request_id
         dst_tag = wire.new_xfer_tag()
         try:
             reply = await self._ask(entry, span, blocks, mode, have, deadline, want_codec,
-                                    dst_tag, choice.path)
+                                    dst_tag, choice.path, reshape)
             try:
-                manifest = self._check(reply, entry, len(blocks), want_codec)
+                manifest = self._check(reply, entry, len(blocks), want_codec, reshape)
                 path, peer_address = self._path(manifest, choice, mapped)
                 if path == "cuda_ipc":
                     mem = core.mem()
@@ -220,6 +284,7 @@ class Puller:
         core.registry.contact(src)
         kept = blocks.without(manifest.skip)
         t.codec = manifest.codec
+        t.reshape = manifest.reshape
         telemetry.trace_transfer(t, span)
         span.set_attribute("kvstream.transfer_id", t.transfer_id)
         shrink(t, mem, len(blocks), len(kept))

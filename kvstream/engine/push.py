@@ -25,6 +25,7 @@ from kvstream._exceptions import (
 from kvstream.config import check_timeout
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
+from kvstream.dataplane.reshape import layer_bytes_of
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.rules import (
     PUSH_MODES,
@@ -32,12 +33,15 @@ from kvstream.engine.rules import (
     check_hashes,
     check_mode,
     check_skip,
+    needs_reshape,
+    reshape_between,
     shrink,
     without,
 )
 from kvstream.memory import is_run
-from kvstream.quant.scheme import effective_codec, wire_fingerprint, wire_layer_bytes
+from kvstream.quant.scheme import effective_codec, wire_fingerprint
 from kvstream.transfer.handles import SendHandle
+from kvstream.transfer.plan import Reshape, TpInfo
 from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 
 if TYPE_CHECKING:
@@ -63,6 +67,7 @@ class Pusher:
         dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",
         timeout: float | None = None, block_hashes: Sequence[int] | None = None,
         codec: str | None = None, trace_context: Context | None = None,
+        tokens: int | None = None,
     ) -> SendHandle:
         core = self.core
         mem = core.mem()
@@ -75,14 +80,18 @@ class Pusher:
                                     " blocks", block_ids=list(dst_blocks))
         hashes = check_hashes(block_hashes, len(blocks))
         wire_codec = effective_codec(codec or core.config.codec, mem.layout)
+        reshape = self._reshape(dst_instance, blocks.ids, dst_blocks, tokens, wire_codec)
+        if reshape is not None:
+            hashes = []  # prefix hashes are per block size: no incremental skip across them
         transfer_id = uuid.uuid4().hex
         entry = core.book.push(request_id, transfer_id, dst_instance, core.clock())
         transfer = Transfer(transfer_id=transfer_id, request_id=request_id, side=Side.SEND,
                             peer=dst_instance, num_layers=mem.layout.num_layers,
-                            layer_bytes=wire_layer_bytes(mem.layout, wire_codec, len(blocks)),
-                            clock=core.clock)
+                            layer_bytes=0, clock=core.clock)
+        transfer.reshape = reshape
         transfer.deadline_s = timeout
         transfer.codec = wire_codec
+        transfer.layer_bytes = layer_bytes_of(mem, transfer, len(blocks))
         span = telemetry.trace_transfer(transfer, telemetry.open_span(
             "kvstream.push", parent=trace_context, kind=SpanKind.PRODUCER,
             request_id=request_id, transfer_id=transfer.transfer_id, side="send",
@@ -91,6 +100,7 @@ class Pusher:
                             eager=mode == "eager", blocks=blocks)
         core.track(entry, handle)
         src_tag = core.new_tag(transfer)
+        verbatim = wire_codec == "none" and reshape is None  # the mapped paths copy blocks as is
         manifest = m.Manifest(
             transfer_id=transfer.transfer_id, request_id=request_id, src=core.instance_id,
             dst=dst_instance, src_address=core.transport.address, src_tag=src_tag,
@@ -101,10 +111,13 @@ class Pusher:
             deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
             src_host=core.paths.host, src_tcp=core.paths.tcp_address,
-            src_shared=core.paths.shared if wire_codec == "none" else None,
+            src_shared=core.paths.shared if verbatim else None,
             src_secrets=core.paths.proofs(dst_instance, transfer.transfer_id)
-            if wire_codec == "none" else [],
-            src_device=core.paths.device_for(dst_instance, codec=wire_codec),
+            if verbatim else [],
+            src_device=core.paths.device_for(dst_instance, codec=wire_codec)
+            if verbatim else None,
+            reshape=reshape, src_layout=mem.layout if reshape else None,
+            src_tp=core.config.tp if reshape else None,
         )
         reply: m.ControlUnion | None = None
         try:
@@ -156,6 +169,32 @@ class Pusher:
                             mapped=reply.path in ("shm", "cuda_ipc"), path=reply.path)
         core.run_stream(entry, stream, timeout)
         return handle
+
+    def _reshape(self, dst: str, src_ids: list[int], dst_blocks: Sequence[int] | None,
+                 tokens: int | None, codec: str) -> Reshape | None:
+        """The plan into a destination whose layout or TP share differs (None: equal).
+        ``tokens`` defaults to what both ends' blocks hold."""
+        core = self.core
+        mem = core.mem()
+        ann = core.registry.announced(dst)
+        if ann is None or ann.layout is None or \
+                not needs_reshape(mem.layout, core.config.tp, ann.layout, ann.tp or TpInfo()):
+            if tokens is not None and tokens > len(src_ids) * mem.layout.block_size:
+                raise InvalidBlockError(f"{tokens} tokens do not fit in {len(src_ids)} blocks")
+            return None
+        if codec != "none":
+            # A codec's wire has its own fingerprint (any engine dtype of one layout
+            # decodes it); the destination checks it, as between equal layouts.
+            return None
+        have = len(src_ids) * mem.layout.block_size
+        if tokens is None:
+            tokens = have if dst_blocks is None else \
+                min(have, len(dst_blocks) * ann.layout.block_size)
+        if not 0 < tokens <= have or mem.layout.blocks_for_tokens(tokens) != len(src_ids):
+            raise InvalidBlockError(f"{len(src_ids)} blocks of {mem.layout.block_size} do not "
+                                    f"hold exactly {tokens} tokens", block_ids=src_ids)
+        return reshape_between(mem.layout, core.config.tp, ann.layout, ann.tp or TpInfo(),
+                               tokens)
 
     @staticmethod
     def _check_reply(reply: m.ControlUnion, transfer: Transfer, dst: str,

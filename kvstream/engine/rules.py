@@ -11,11 +11,14 @@ from kvstream._exceptions import (
     IncompatiblePeerError,
     InvalidBlockError,
     KVStreamError,
+    LayoutError,
     ProtocolError,
 )
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
+from kvstream.layout import FP8_DTYPES, KVLayout
 from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint, wire_layer_bytes
+from kvstream.transfer.plan import Reshape, TpInfo, reshape_for
 
 if TYPE_CHECKING:
     from kvstream.control.registry import Registry
@@ -32,7 +35,10 @@ __all__ = [
     "check_skip",
     "claimed_sender",
     "layout_mismatch",
+    "needs_reshape",
     "peer_refusal",
+    "reshape_between",
+    "reshape_refusal",
     "shrink",
     "without",
 ]
@@ -101,7 +107,8 @@ def check_skip(skip: Sequence[int], nblocks: int) -> None:
 def shrink(t: Transfer, mem: RegisteredKV, total: int, kept: int) -> None:
     """Account a transfer for only the blocks that move (in wire bytes of its codec); the
     rest counts as skipped (in engine bytes)."""
-    t.layer_bytes = wire_layer_bytes(mem.layout, t.codec, kept)
+    t.layer_bytes = t.reshape.layer_bytes(mem.layout) if t.reshape is not None else \
+        wire_layer_bytes(mem.layout, t.codec, kept)
     t.bytes_skipped = mem.planes * mem.plane_bytes(total - kept) * t.num_layers
 
 
@@ -127,4 +134,49 @@ def layout_mismatch(mem: RegisteredKV, fingerprint: str, num_layers: int, codec:
     if codec == "none" and cache_scales is not None and list(cache_scales) != mem.cache_scales:
         return (f"FP8 cache scales differ: the peer's {list(cache_scales)[:4]}..., "
                 f"this cache's {mem.cache_scales[:4]}...; the bytes would mean other values")
+    return None
+
+
+def needs_reshape(src: KVLayout, src_tp: TpInfo, dst: KVLayout, dst_tp: TpInfo) -> bool:
+    """Do two instances' blocks differ in bytes or in which heads they hold (issue 18)?"""
+    if src.fingerprint != dst.fingerprint:
+        return True
+    try:
+        return src_tp.shard(src).heads != dst_tp.shard(dst).heads
+    except LayoutError:
+        return True  # a share that does not fit its layout: reshape_between says why
+
+
+def reshape_between(src: KVLayout, src_tp: TpInfo, dst: KVLayout, dst_tp: TpInfo,
+                    tokens: int) -> Reshape:
+    """The plan of a one-source transfer; ``IncompatiblePeerError`` naming both sides if
+    there is none."""
+    try:
+        return reshape_for(src_tp.shard(src), dst_tp.shard(dst), tokens)
+    except LayoutError as exc:
+        raise IncompatiblePeerError(str(exc)) from None
+
+
+def reshape_refusal(msg: m.Manifest, mem: RegisteredKV, tp: TpInfo) -> str | None:
+    """Why a destination refuses a manifest's reshape (None: it derives the same plan)."""
+    r = msg.reshape
+    if r is None or msg.src_layout is None:
+        return "a reshaped transfer without the source's layout"
+    if msg.codec != "none":
+        return f"codec {msg.codec} between unequal layouts is not supported"
+    if msg.num_layers != mem.layout.num_layers:
+        return f"{msg.num_layers} layers against {mem.layout.num_layers}"
+    try:
+        mine = reshape_between(msg.src_layout, msg.src_tp or TpInfo(), mem.layout, tp, r.tokens)
+    except IncompatiblePeerError as exc:
+        return str(exc)
+    if mine != r:
+        return f"the source's plan {r} is not this side's {mine}"
+    if len(msg.src_blocks) != msg.src_layout.blocks_for_tokens(r.tokens):
+        return (f"{len(msg.src_blocks)} source blocks for {r.tokens} tokens of "
+                f"{msg.src_layout.block_size}")
+    if mem.layout.blocks_for_tokens(r.tokens) > mem.num_blocks:
+        return f"{r.tokens} tokens do not fit in {mem.num_blocks} blocks"
+    if mem.layout.dtype in FP8_DTYPES and list(msg.cache_scales) != mem.cache_scales:
+        return "FP8 cache scales differ: the bytes would mean other values"
     return None

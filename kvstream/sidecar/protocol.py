@@ -9,7 +9,7 @@ per-layer hot path.
 from __future__ import annotations
 
 import struct
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import anyio
 import msgspec
@@ -83,6 +83,7 @@ class Push(LocalMessage, tag="push", frozen=True):
     codec: str | None = None
     traceparent: str = ""  # the engine's request span: the transfer's trace nests under it
     timeout: float | None = None  # None: the agent's transfer_timeout_s
+    tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # unequal layouts
 
 
 class Offer(LocalMessage, tag="offer", frozen=True):
@@ -105,6 +106,7 @@ class Pull(LocalMessage, tag="pull", frozen=True):
     traceparent: str = ""
     timeout: float | None = None
     secret: str = ""  # the offer's secret, as its source handed it out
+    tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # unequal layouts
 
 
 class Fetch(LocalMessage, tag="fetch", frozen=True):

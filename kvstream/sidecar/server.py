@@ -169,15 +169,15 @@ class _Session:
         await self._start(msg.id, self.agent.push(
             msg.request_id, msg.dst, msg.src_blocks, dst_blocks=msg.dst_blocks, mode=msg.mode,
             block_hashes=msg.block_hashes, codec=msg.codec, timeout=msg.timeout,
-            trace_context=telemetry.context_from({"traceparent": msg.traceparent})),
-            self._finished)
+            trace_context=telemetry.context_from({"traceparent": msg.traceparent}),
+            tokens=msg.tokens), self._finished)
 
     async def _pull(self, msg: lp.Pull, tg: anyio.abc.TaskGroup) -> None:
         await self._start(msg.id, self.agent.pull(
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
             lookahead=msg.lookahead, codec=msg.codec, timeout=msg.timeout,
             trace_context=telemetry.context_from({"traceparent": msg.traceparent}),
-            secret=msg.secret), self._watch_receive)
+            secret=msg.secret, tokens=msg.tokens), self._watch_receive)
 
     async def _start(self, rid: int, begin: Any, follow: Any) -> None:
         """Await a transfer's start, answer the engine with its handle, then follow it."""

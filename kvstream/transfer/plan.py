@@ -23,17 +23,36 @@ Pure: torch views and copies, no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
 from kvstream._exceptions import LayoutError
-from kvstream.layout import FP8_DTYPES, KVLayout
+from kvstream.layout import DTYPE_BYTES, FP8_DTYPES, KVLayout
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Part", "Shard", "incompatibility", "pack", "plan", "token_view", "unpack"]
+__all__ = ["Part", "Reshape", "Shard", "TpInfo", "incompatibility", "pack", "plan",
+           "reshape_for", "token_view", "unpack"]
+
+_Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+class TpInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """An instance's place in its engine's tensor parallelism, as announced.
+    ``total_kv_heads`` 0: the layout's heads times ``size`` (no replication)."""
+
+    rank: _Small = 0
+    size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1
+    total_kv_heads: _Small = 0
+
+    def shard(self, layout: KVLayout) -> Shard:
+        """``LayoutError`` if the layout does not fit this share of the model."""
+        total = self.total_kv_heads or (1 if layout.kv_factor == 1
+                                        else layout.num_kv_heads * self.size)
+        return Shard(layout=layout, total_kv_heads=total, tp_rank=self.rank,
+                     tp_size=self.size)
 
 
 class Shard(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +154,37 @@ def plan(dst: Shard, sources: Sequence[Shard]) -> list[Part]:
     return parts
 
 
+class Reshape(msgspec.Struct, frozen=True, kw_only=True):
+    """One transfer between unequal layouts, as both ends derive it: the request's first
+    ``tokens`` tokens, source-local heads ``[src_head, src_head + heads)`` landing at the
+    destination's local ``dst_head``, on the wire in ``dtype`` (the source's)."""
+
+    tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    src_head: _Small
+    dst_head: _Small
+    heads: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8"]
+
+    def layer_bytes(self, layout: KVLayout) -> int:
+        """Bytes of one layer on the wire (either end's layout: kv and head_dim agree)."""
+        return layout.kv_factor * self.tokens * self.heads * layout.head_dim * \
+            DTYPE_BYTES[self.dtype]
+
+
+def reshape_for(src: Shard, dst: Shard, tokens: int) -> Reshape:
+    """The one-source transfer that fills every head ``dst`` holds from ``src``;
+    ``LayoutError`` if they cannot be mapped, or ``dst`` needs heads of other sources too
+    (a destination rank gathering from several prefill ranks: not one transfer)."""
+    if (why := incompatibility(src, dst)) is not None:
+        raise LayoutError(why)
+    if not set(dst.heads) <= set(src.heads):
+        raise LayoutError(f"{dst.describe()} needs KV heads of several sources; "
+                          f"{src.describe()} holds only some of them")
+    parts = plan(dst, [src])
+    return Reshape(tokens=tokens, src_head=parts[0].src_head, dst_head=parts[0].dst_head,
+                   heads=parts[0].heads, dtype=src.layout.dtype)  # type: ignore[arg-type]  # KVLayout checked it
+
+
 def token_view(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """One layer's cache as ``[kv, num_blocks, block_size, heads, head_dim]``, a view of
     the same memory (no copy) for every arrangement."""
@@ -154,30 +204,48 @@ def token_view(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     raise LayoutError(f"no token view of arrangement {arr!r}")
 
 
-def _token_index(layout: KVLayout, block_ids: Sequence[int], tokens: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks(layout: KVLayout, block_ids: Sequence[int], tokens: int,
+            device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """The request's block ids as a tensor, how many are full, how many tokens the last
+    (partial) one holds."""
     import torch
 
     bs = layout.block_size
     need = -(-tokens // bs)
     if tokens < 0 or len(block_ids) < need:
         raise LayoutError(f"{tokens} tokens need {need} blocks of {bs}, got {len(block_ids)}")
-    pos = torch.arange(tokens, device=device)
-    blocks = torch.as_tensor(list(block_ids[:need]), dtype=torch.int64, device=device)
-    return blocks[pos // bs], pos % bs
+    ids = torch.as_tensor(list(block_ids[:need]), dtype=torch.int64, device=device)
+    return ids, tokens // bs, tokens % bs
+
+
+def _check_heads(heads: range, layout: KVLayout) -> None:
+    if heads.step != 1 or not 0 <= heads.start <= heads.stop <= layout.num_kv_heads:
+        raise LayoutError(f"heads {heads} outside the {layout.num_kv_heads} held")
 
 
 def pack(t: torch.Tensor, layout: KVLayout, block_ids: Sequence[int], tokens: int,
-         heads: range | None = None) -> torch.Tensor:
+         heads: range | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The first ``tokens`` tokens of a request whose blocks are ``block_ids`` (in order),
     heads ``heads`` (local indices; all by default), in wire order
-    ``[kv, tokens, len(heads), head_dim]``: a new contiguous tensor."""
-    view = token_view(t, layout)
+    ``[kv, tokens, len(heads), head_dim]``: into ``out`` (contiguous, that shape) or a new
+    tensor. Whole blocks move as one gather per K/V half, the partial last block apart."""
+    import torch
+
     heads = heads if heads is not None else range(layout.num_kv_heads)
-    if heads.step != 1 or not 0 <= heads.start <= heads.stop <= layout.num_kv_heads:
-        raise LayoutError(f"heads {heads} outside the {layout.num_kv_heads} held")
-    b, s = _token_index(layout, block_ids, tokens, t.device)
-    return view[:, b, s, heads.start:heads.stop].contiguous()
+    _check_heads(heads, layout)
+    view = token_view(t, layout)[..., heads.start:heads.stop, :]  # [kv, nb, bs, n, d]
+    kv, bs = view.shape[0], layout.block_size
+    if out is None:
+        out = torch.empty((kv, tokens, len(heads), layout.head_dim), dtype=t.dtype,
+                          device=t.device)
+    ids, full, tail = _blocks(layout, block_ids, tokens, t.device)
+    for k in range(kv):
+        if full:
+            torch.index_select(view[k], 0, ids[:full],
+                               out=out[k, :full * bs].view(full, bs, *out.shape[2:]))
+        if tail:
+            out[k, full * bs:].copy_(view[k, int(ids[full]), :tail])
+    return out
 
 
 def unpack(wire: torch.Tensor, t: torch.Tensor, layout: KVLayout, block_ids: Sequence[int],
@@ -190,6 +258,12 @@ def unpack(wire: torch.Tensor, t: torch.Tensor, layout: KVLayout, block_ids: Seq
             not 0 <= dst_head <= dst_head + n <= layout.num_kv_heads:
         raise LayoutError(f"a wire of {tuple(wire.shape)} does not fit heads from {dst_head} "
                           f"of {layout.describe()}")
-    view = token_view(t, layout)
-    b, s = _token_index(layout, block_ids, tokens, t.device)
-    view[:, b, s, dst_head:dst_head + n] = wire.to(t.dtype)
+    view = token_view(t, layout)[..., dst_head:dst_head + n, :]  # [kv, nb, bs, n, d]
+    bs = layout.block_size
+    ids, full, tail = _blocks(layout, block_ids, tokens, t.device)
+    wire = wire.to(t.dtype)
+    for k in range(kv):
+        if full:
+            view[k].index_copy_(0, ids[:full], wire[k, :full * bs].view(full, bs, n, d))
+        if tail:
+            view[k, int(ids[full]), :tail].copy_(wire[k, full * bs:])

@@ -20,6 +20,8 @@ from kvstream import telemetry
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from kvstream.transfer.plan import Reshape
+
 __all__ = ["TERMINAL", "EndCause", "Side", "Transfer", "TransferResult", "TransferState"]
 
 
@@ -125,6 +127,7 @@ class Transfer:
         self.bytes_skipped = 0
         self.codec = "none"
         self.path = ""  # the data-plane path, once chosen (engine/paths.py)
+        self.reshape: Reshape | None = None  # between unequal layouts (transfer/plan.py)
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s
         self._release: list[Callable[[], None]] = []
         self.span: Span | None = None  # its trace (kvstream.telemetry), when one is open

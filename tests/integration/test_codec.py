@@ -97,15 +97,24 @@ async def test_pull_8bit_into_another_dtype(nats_server, mode, codec):
         assert_at_rest(p, d)
 
 
-async def test_verbatim_needs_same_dtype_fp8_does_not(nats_server):
+async def test_another_dtype_is_converted_verbatim_and_decoded_by_fp8(nats_server):
+    """bf16 into fp16: verbatim, each value is cast on the way (issue 18's reshape); with
+    fp8 the codec's wire decodes into either dtype."""
     src_lay, dst_lay = layout("bfloat16"), layout("float16")
     async with Agent(cfg("cp", nats_server), layout=src_lay,
                      kv_caches=kv(src_lay, fill=True)) as p, \
             Agent(cfg("cd", nats_server), layout=dst_lay, kv_caches=kv(dst_lay, fill=False)) as d:
+        with anyio.fail_after(10):
+            while not p.peers():
+                await anyio.sleep(0.02)
         rx = d.expect("r", [0, 1])
-        with pytest.raises(IncompatiblePeerError, match="fingerprint"):
-            await p.push("r", "cd", [0, 1], codec="none")
-        await rx.abort("refused")
+        tx = await p.push("r", "cd", [0, 1], codec="none")
+        tx.all_ready()
+        with anyio.fail_after(20):
+            assert (await rx.result()).ok
+        for layer in range(src_lay.num_layers):
+            assert torch.equal(d.memory.layers[layer][:, :2],
+                               p.memory.layers[layer][:, :2].to(torch.float16))
         d.expect("r2", [0, 1])
         tx = await p.push("r2", "cd", [0, 1], codec="fp8_e4m3")
         tx.all_ready()

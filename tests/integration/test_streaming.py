@@ -148,14 +148,22 @@ async def test_invalid_block_ids_are_rejected_before_any_byte_moves(nats_server)
 
 
 async def test_layout_mismatch_is_refused(nats_server):
-    lay, other = small_layout(), small_layout("flash_hnd")
+    """Another arrangement is converted on the way (tests/integration/test_reshape.py);
+    another head_dim cannot be: refused, naming both layouts, before a byte moves."""
+    lay = small_layout()
+    other = KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                     head_dim=2 * lay.head_dim, block_size=lay.block_size)
     async with Agent(cfg("p-lay", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
             Agent(cfg("d-lay", nats_server), layout=other,
                   kv_caches=cache(other, 8, fill=False)) as d:
         d.expect("r", [0, 1])
-        with pytest.raises(IncompatiblePeerError):
+        with anyio.fail_after(10):
+            while not p.peers():
+                await anyio.sleep(0.02)
+        with pytest.raises(IncompatiblePeerError, match=f"head_dim {lay.head_dim} against "
+                                                        f"{other.head_dim}"):
             await p.push("r", "d-lay", [0, 1])
-        assert p.statistics().failed == 1
+        assert d.statistics().bytes_received == 0
 
 
 async def test_malformed_control_message_is_survived(nats_server):

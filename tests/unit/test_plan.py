@@ -164,3 +164,20 @@ def test_shards_must_match_their_tp_split() -> None:
         Shard(layout=lay, total_kv_heads=6, tp_rank=0, tp_size=4)
     with pytest.raises(LayoutError, match="rank 2 of 2"):
         Shard(layout=lay, total_kv_heads=8, tp_rank=2, tp_size=2)
+
+
+def test_tp_info_derives_the_shard_and_reshape_for_takes_one_source() -> None:
+    from kvstream.transfer.plan import Reshape, TpInfo, reshape_for
+
+    lay4 = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, block_size=16)
+    lay2 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=32,
+                    arrangement="flash_hnd")
+    assert TpInfo().shard(lay4).heads == range(0, 4)
+    assert TpInfo(rank=1, size=2).shard(lay2).heads == range(2, 4)  # 2 x 2 = 4 heads
+    with pytest.raises(LayoutError, match="holds 1"):
+        TpInfo(rank=0, size=4, total_kv_heads=4).shard(lay2)
+    r = reshape_for(TpInfo().shard(lay4), TpInfo(rank=1, size=2).shard(lay2), 70)
+    assert r == Reshape(tokens=70, src_head=2, dst_head=0, heads=2, dtype="float16")
+    assert r.layer_bytes(lay2) == 2 * 70 * 2 * 16 * 2
+    with pytest.raises(LayoutError, match="several sources"):
+        reshape_for(TpInfo(rank=1, size=2).shard(lay2), TpInfo().shard(lay4), 70)
