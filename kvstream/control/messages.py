@@ -128,8 +128,10 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # which GPU); the handles themselves go in one transfer's manifest only
     # (``Manifest.src_device``).
     cuda_ipc: DeviceOffer | None = None
-    # Its share of its engine's tensor parallelism (issue 18: which heads its layout holds).
+    # Its share of its engine's tensor parallelism (issue 18: which heads its layout holds),
+    # and where its KV lives ("cpu", "cuda"; "": not registered).
     tp: TpInfo | None = None
+    kv_device: Literal["", "cpu", "cuda"] = ""
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):

@@ -19,8 +19,8 @@ import numpy as np
 from kvstream import telemetry
 from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
-from kvstream.dataplane.reshape import framing_codec, layer_bytes_of, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv, single_message_for
+from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
+from kvstream.dataplane.stream import Stream, StreamEnv
 from kvstream.memory import run_copy
 from kvstream.transfer.state import TransferState
 
@@ -58,8 +58,7 @@ class RecvStream(Stream):
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, nblocks)
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
-        self.single = source is None and \
-            single_message_for(env.memory, src_contiguous, dst_run, framing_codec(t), path)
+        self.single = source is None and single_for(env.memory, t, src_contiguous, dst_run, path)
         # Never received straight into engine blocks over a byte stream: a frame whose
         # header was read cannot be drained (UCX's can), so a late one could still write
         # after the transfer ended and the engine reused the blocks. It lands in staging

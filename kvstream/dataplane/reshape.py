@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstream._exceptions import LayoutError
+from kvstream.dataplane.stream import single_message_for
 from kvstream.quant.codec import make_codec
 from kvstream.quant.scheme import wire_layer_bytes
 from kvstream.transfer.plan import Reshape, pack, unpack
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from kvstream.memory import BlockMap, RegisteredKV
     from kvstream.transfer.state import Transfer
 
-__all__ = ["ReshapeCodec", "framing_codec", "layer_bytes_of", "transfer_codec"]
+__all__ = ["ReshapeCodec", "layer_bytes_of", "single_for", "transfer_codec"]
 
 
 class ReshapeCodec:
@@ -64,9 +65,12 @@ def transfer_codec(mem: RegisteredKV, t: Transfer) -> Any:
     return make_codec(mem, t.codec)
 
 
-def framing_codec(t: Transfer) -> str:
-    """The codec name the framing rule sees (a reshape stages both ends, as a codec does)."""
-    return "reshape" if t.reshape is not None else t.codec
+def single_for(mem: RegisteredKV, t: Transfer, src_contiguous: bool, dst_contiguous: bool,
+               path: str) -> bool:
+    """The framing both ends derive: a reshape's is in the plan (``Reshape.single``)."""
+    if t.reshape is not None:
+        return t.reshape.single and mem.device.type == "cpu"
+    return single_message_for(mem, src_contiguous, dst_contiguous, t.codec, path)
 
 
 def layer_bytes_of(mem: RegisteredKV, t: Transfer, nblocks: int) -> int:

@@ -16,8 +16,8 @@ import numpy as np
 from kvstream import telemetry
 from kvstream._exceptions import KVStreamError
 from kvstream.dataplane import wire
-from kvstream.dataplane.reshape import framing_codec, layer_bytes_of, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv, single_message_for
+from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
+from kvstream.dataplane.stream import Stream, StreamEnv
 from kvstream.memory import run_copy
 from kvstream.transfer.state import TransferState
 
@@ -48,11 +48,11 @@ class SendStream(Stream):
         t = handle.transfer
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, len(handle.blocks))
-        self.single = not mapped and single_message_for(
-            env.memory, handle.blocks.contiguous_start is not None, dst_contiguous,
-            framing_codec(t), path)
-        # A byte-stream transport sends the blocks where they lie: no gather.
-        self.vectored = self.single and env.transport.vectored
+        self.single = not mapped and single_for(
+            env.memory, t, handle.blocks.contiguous_start is not None, dst_contiguous, path)
+        # A byte-stream transport sends the blocks where they lie: no gather (unless they
+        # are encoded or reshaped on the way).
+        self.vectored = self.single and env.transport.vectored and self.codec is None
         self.granted = 0
         self._credit_changed = anyio.Event()
         self._credit_recv: PostedReceive | None = None

@@ -222,8 +222,11 @@ class Admission:
         with expect(), or refuse at once when the bounded pool has no room (the sender
         backs off and retries for staging_wait_s)."""
         core = self.core
-        single = choice.path not in ("shm", "cuda_ipc") and \
-            single_message_for(mem, is_run(msg.src_blocks), False, _framing(msg), choice.path)
+        if msg.reshape is not None:
+            single = msg.reshape.single and mem.device.type == "cpu"
+        else:
+            single = choice.path not in ("shm", "cuda_ipc") and \
+                single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path)
         layer_bytes = msg.reshape.layer_bytes(mem.layout) if msg.reshape is not None else \
             wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
         need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers

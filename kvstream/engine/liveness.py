@@ -102,7 +102,8 @@ class Liveness:
             num_blocks=mem.num_blocks if mem else 0, load=float(len(core.book.streams)),
             heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint,
             forgot=dict(core.forgot), host=core.paths.host, tcp=core.paths.tcp_address,
-            shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer, tp=core.config.tp))
+            shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer, tp=core.config.tp,
+            kv_device="cpu" if mem and mem.device.type == "cpu" else "cuda" if mem else ""))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core

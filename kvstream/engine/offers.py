@@ -128,8 +128,9 @@ class Offers:
             # The tokens the offer holds, if fewer than asked (a partial last block).
             tokens = min(msg.reshape.tokens, len(full) * mem.layout.block_size)
             try:
-                reshape = reshape_between(mem.layout, core.config.tp, msg.dst_layout,
-                                          msg.dst_tp or TpInfo(), tokens)
+                reshape = reshape_between(
+                    mem.layout, core.config.tp, msg.dst_layout, msg.dst_tp or TpInfo(), tokens,
+                    single=msg.reshape.single and mem.device.type == "cpu")
             except IncompatiblePeerError as exc:
                 return reject("incompatible", str(exc))
             if mem.layout.blocks_for_tokens(tokens) != len(full) or \

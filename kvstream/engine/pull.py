@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
@@ -112,7 +113,7 @@ class Puller:
             raise InvalidBlockError(f"{nblocks} blocks of {mem.layout.block_size} do not hold "
                                     f"exactly {tokens} tokens")
         return reshape_between(ann.layout, ann.tp or TpInfo(), mem.layout, core.config.tp,
-                               tokens)
+                               tokens, single=mem.device.type == "cpu" and ann.kv_device == "cpu")
 
     async def _ask(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                    have: list[int], deadline: float, want_codec: str,
@@ -195,8 +196,10 @@ class Puller:
             except IncompatiblePeerError as exc:
                 why = str(exc)
             else:
-                if mine != r:
+                if msgspec.structs.replace(r, single=False) != mine:
                     why = f"the source's plan {r} is not this side's {mine}"
+                elif r.single and mem.device.type != "cpu":
+                    why = "one-message framing, with KV on a GPU here"
         if why is not None:
             raise IncompatiblePeerError(f"{src} answered the pull of {entry.request_id!r} "
                                         f"with {why}")

@@ -194,7 +194,7 @@ class Pusher:
             raise InvalidBlockError(f"{len(src_ids)} blocks of {mem.layout.block_size} do not "
                                     f"hold exactly {tokens} tokens", block_ids=src_ids)
         return reshape_between(mem.layout, core.config.tp, ann.layout, ann.tp or TpInfo(),
-                               tokens)
+                               tokens, single=mem.device.type == "cpu" and ann.kv_device == "cpu")
 
     @staticmethod
     def _check_reply(reply: m.ControlUnion, transfer: Transfer, dst: str,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
+import msgspec
+
 from kvstream._exceptions import (
     ConfigError,
     ForbiddenError,
@@ -148,13 +150,14 @@ def needs_reshape(src: KVLayout, src_tp: TpInfo, dst: KVLayout, dst_tp: TpInfo) 
 
 
 def reshape_between(src: KVLayout, src_tp: TpInfo, dst: KVLayout, dst_tp: TpInfo,
-                    tokens: int) -> Reshape:
+                    tokens: int, single: bool = False) -> Reshape:
     """The plan of a one-source transfer; ``IncompatiblePeerError`` naming both sides if
-    there is none."""
+    there is none. ``single``: one message per layer (both ends' KV in host memory)."""
     try:
-        return reshape_for(src_tp.shard(src), dst_tp.shard(dst), tokens)
+        r = reshape_for(src_tp.shard(src), dst_tp.shard(dst), tokens)
     except LayoutError as exc:
         raise IncompatiblePeerError(str(exc)) from None
+    return msgspec.structs.replace(r, single=single)
 
 
 def reshape_refusal(msg: m.Manifest, mem: RegisteredKV, tp: TpInfo) -> str | None:
@@ -170,8 +173,10 @@ def reshape_refusal(msg: m.Manifest, mem: RegisteredKV, tp: TpInfo) -> str | Non
         mine = reshape_between(msg.src_layout, msg.src_tp or TpInfo(), mem.layout, tp, r.tokens)
     except IncompatiblePeerError as exc:
         return str(exc)
-    if mine != r:
+    if msgspec.structs.replace(r, single=False) != mine:
         return f"the source's plan {r} is not this side's {mine}"
+    if r.single and mem.device.type != "cpu":
+        return "one-message framing needs host KV here"
     if len(msg.src_blocks) != msg.src_layout.blocks_for_tokens(r.tokens):
         return (f"{len(msg.src_blocks)} source blocks for {r.tokens} tokens of "
                 f"{msg.src_layout.block_size}")

@@ -164,6 +164,9 @@ class Reshape(msgspec.Struct, frozen=True, kw_only=True):
     dst_head: _Small
     heads: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8"]
+    # One message per layer, [header | wire] (both ends' KV in host memory), rather than a
+    # header and the wire: the initiator decides, the other end accepts it only for host KV.
+    single: bool = False
 
     def layer_bytes(self, layout: KVLayout) -> int:
         """Bytes of one layer on the wire (either end's layout: kv and head_dim agree)."""
