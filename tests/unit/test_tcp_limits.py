@@ -20,7 +20,7 @@ import pytest
 from kvstream._exceptions import ConfigError
 from kvstream.dataplane.tcp import TcpLimits, TcpTransport
 from kvstream.dataplane.tcp_conn import HEADER, MAGIC
-from tests.unit.test_tcp_transport import _msg, _pair, _tag, _until
+from tests.unit.test_tcp_transport import _exchange, _msg, _pair, _tag, _until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -128,16 +128,7 @@ async def test_one_address_holds_at_most_its_cap_and_others_still_get_through():
         with _connect(b.address, "127.0.0.2") as extra:
             await _until(lambda: b.statistics().refused_per_ip == 1)
             assert await anyio.to_thread.run_sync(_hung_up, extra)
-        srcs = [np.full(10_000, i, np.uint8) for i in range(12)]
-        bufs = [np.zeros(10_000, np.uint8) for _ in srcs]
-        recvs = [b.post_recv(buf, _tag(i)) for i, buf in enumerate(bufs)]
-        async with anyio.create_task_group() as tg:
-            for i, src in enumerate(srcs):
-                tg.start_soon(a.send, b.address, src, _tag(i))
-        with anyio.fail_after(10):
-            for r in recvs:
-                await r.wait()
-        assert all(np.array_equal(x, y) for x, y in zip(srcs, bufs, strict=True))
+        await _exchange(a, b, [np.full(10_000, i, np.uint8) for i in range(12)])
         await _until(lambda: b.statistics().connections == 6)  # a's three lanes too
         with _connect(b.address) as extra:
             await _until(lambda: b.statistics().refused_per_ip == 2)

@@ -49,6 +49,19 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+async def _exchange(a, dst, srcs: list[np.ndarray]) -> None:
+    """Send every buffer from ``a`` to ``dst`` at once, each on its own tag: all land intact."""
+    bufs = [np.zeros_like(src) for src in srcs]
+    recvs = [dst.post_recv(buf, _tag(i)) for i, buf in enumerate(bufs)]
+    async with anyio.create_task_group() as tg:
+        for i, src in enumerate(srcs):
+            tg.start_soon(a.send, dst.address, src, _tag(i))
+    with anyio.fail_after(10):
+        for r in recvs:
+            await r.wait()
+    assert all(np.array_equal(x, y) for x, y in zip(srcs, bufs, strict=True))
+
+
 async def _until(cond: Callable[[], bool]) -> None:
     """A reader thread's work shows up a moment after a send returns."""
     with anyio.fail_after(10):
@@ -150,16 +163,8 @@ async def test_many_layers_over_lanes_and_to_itself():
     async with _pair(lanes=3) as (a, b):
         rng = np.random.default_rng(1)
         for dst in (b, a):
-            srcs = [rng.integers(0, 256, 300_000, dtype=np.uint8) for _ in range(12)]
-            bufs = [np.zeros(300_000, np.uint8) for _ in srcs]
-            recvs = [dst.post_recv(buf, _tag(i)) for i, buf in enumerate(bufs)]
-            async with anyio.create_task_group() as tg:
-                for i, src in enumerate(srcs):
-                    tg.start_soon(a.send, dst.address, src, _tag(i))
-            with anyio.fail_after(10):
-                for r in recvs:
-                    await r.wait()
-            assert all(np.array_equal(x, y) for x, y in zip(srcs, bufs, strict=True))
+            await _exchange(a, dst, [rng.integers(0, 256, 300_000, dtype=np.uint8)
+                                     for _ in range(12)])
         assert a.statistics().accepted == 3  # its own three lanes; b got the other three
         assert b.statistics().accepted == 3
 
