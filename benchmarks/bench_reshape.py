@@ -2,7 +2,7 @@
 interleaved in one run (issue 18's bar: reshaped >= 0.8x homogeneous).
 
     python benchmarks/bench_reshape.py [--rounds 3] [--layers 32] [--tokens 4096]
-                                       [--arrangement flash_hnd] [--json]
+                                       [--arrangement flash_hnd] [--micro] [--json]
 
 Two agents in this process over an embedded nats-server and UCX (path forced to ``ucx``,
 so both transfers stage through the same transport), pushing pipelined with every layer
@@ -11,6 +11,11 @@ reshaped pair (block 16 NHD into block 32 of ``--arrangement``, NHD by default: 
 block size alone; HND also transposes every block). Both move ``layers x tokens x 8 heads x 128
 x fp16 x K/V`` bytes; the reshaped one packs into the canonical wire and unpacks at the
 other end (``dataplane/reshape.py``) where the homogeneous one gathers and scatters blocks.
+
+``--micro``: no transport, one layer of ``--tokens`` on this thread, every arrangement (or
+``--arrangement``): GB/s (median and best of ``--reps``) of the homogeneous gather and
+scatter (``RegisteredKV``) against ``pack`` from block 16 NHD, ``unpack`` into block 32 of
+the arrangement and ``pack`` from it, the copies each transfer above makes per layer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -28,6 +35,10 @@ import torch
 from kvstream import Agent, AgentConfig
 from kvstream.control.nats_server import EmbeddedNats
 from kvstream.layout import KVLayout
+from kvstream.memory import BlockMap, RegisteredKV
+from kvstream.transfer.plan import pack, unpack
+
+ARRANGEMENTS = ["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc"]
 
 
 def _cfg(name: str, url: str) -> AgentConfig:
@@ -51,7 +62,7 @@ async def _one(p: Agent, d: Agent, rid: str, src: list[int], dst: list[int],
 
 async def run(url: str, layers: int, tokens: int, rounds: int, arrangement: str
               ) -> dict[str, Any]:
-    base = {"num_layers": layers, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
+    base: dict[str, Any] = {"num_layers": layers, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
     lay16 = KVLayout(**base, block_size=16)
     lay32 = KVLayout(**base, block_size=32, arrangement=arrangement)
     n16, n32 = lay16.blocks_for_tokens(tokens), lay32.blocks_for_tokens(tokens)
@@ -81,16 +92,70 @@ async def run(url: str, layers: int, tokens: int, rounds: int, arrangement: str
                                  zip(out["homogeneous"], out["reshaped"], strict=True)]}
 
 
+def _gbps(nbytes: int, fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """(median, best) GB/s of ``fn`` moving ``nbytes``, after one call to warm up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9, nbytes / min(times) / 1e9
+
+
+def micro(tokens: int, arrangements: list[str], reps: int) -> dict[str, Any]:
+    """The per-layer copies of both transfers, each timed alone on this thread."""
+    base: dict[str, Any] = {"num_layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
+    lay16 = KVLayout(**base, block_size=16)
+    n16 = lay16.blocks_for_tokens(tokens)
+    rng = random.Random(0)
+    src16 = torch.randn(lay16.tensor_shape(2 * n16)).half()
+    ids16 = rng.sample(range(2 * n16), n16)
+    nbytes = tokens * lay16.bytes_per_token_per_layer
+    mem, blocks = RegisteredKV(lay16, [src16]), BlockMap(ids16, src16.device)
+    staging = mem.staging_view(torch.empty(mem.planes * mem.plane_bytes(n16), dtype=torch.uint8),
+                               n16)
+    res: dict[str, Any] = {
+        "layer_bytes": nbytes,
+        "gather": _gbps(nbytes, lambda: mem.gather(0, blocks, staging), reps),
+        "scatter": _gbps(nbytes, lambda: mem.scatter(0, blocks, staging), reps),
+    }
+    wire = torch.empty(2, tokens, 8, 128, dtype=torch.float16)
+    res["pack flash_nhd/16"] = _gbps(nbytes, lambda: pack(src16, lay16, ids16, tokens, out=wire),
+                                     reps)
+    for arr in arrangements:
+        lay = KVLayout(**base, block_size=32, arrangement=arr)
+        n = lay.blocks_for_tokens(tokens)
+        dst, ids = torch.randn(lay.tensor_shape(2 * n)).half(), rng.sample(range(2 * n), n)
+        res[f"unpack {arr}/32"] = _gbps(nbytes, partial(unpack, wire, dst, lay, ids), reps)
+        res[f"pack {arr}/32"] = _gbps(nbytes, partial(pack, dst, lay, ids, tokens, out=wire),
+                                      reps)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--arrangement", default="flash_nhd",
-                    choices=["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc"])
+    ap.add_argument("--arrangement", default=None, choices=ARRANGEMENTS,
+                    help="block 32's arrangement (flash_nhd; --micro: all of them)")
+    ap.add_argument("--micro", action="store_true", help="per-layer copies only, no transport")
+    ap.add_argument("--reps", type=int, default=30, help="--micro: timed calls per copy")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.micro:
+        m = micro(a.tokens, [a.arrangement] if a.arrangement else ARRANGEMENTS, a.reps)
+        if a.json:
+            print(json.dumps(m))
+            return
+        print(f"one layer of {m.pop('layer_bytes') / (1 << 20):.0f} MiB, GB/s median (best) "
+              f"of {a.reps}")
+        for k, (med, best) in m.items():
+            print(f"  {k:26s} {med:6.1f} ({best:.1f})")
+        return
+    a.arrangement = a.arrangement or "flash_nhd"
     with EmbeddedNats() as nats:
         res = anyio.run(run, nats.url, a.layers, a.tokens, a.rounds, a.arrangement)
     if a.json:

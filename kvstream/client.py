@@ -206,10 +206,10 @@ class _LocalClient:
         return self.agent.offer(request_id, src_blocks, block_hashes=block_hashes, mode=mode,
                                 lease_s=lease_s, secret=secret)
 
-    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+    async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "",
+                   trace_context: Context | None = None, secret: str | Sequence[str] = "",
                    tokens: int | None = None) -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
                                      lookahead=lookahead, codec=codec, timeout=timeout,
@@ -425,17 +425,19 @@ class _SidecarClient:
                      block_hashes=list(block_hashes or []), mode=mode,  # type: ignore[arg-type]
                      lease_s=lease_s, secret=secret), sent)
 
-    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+    async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "",
+                   trace_context: Context | None = None, secret: str | Sequence[str] = "",
                    tokens: int | None = None) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(
-            lp.Pull(request_id=request_id, src=src, dst_blocks=list(dst_blocks),
+            lp.Pull(request_id=request_id, src=src if isinstance(src, str) else list(src),
+                    dst_blocks=list(dst_blocks),
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),
-                    timeout=check_timeout(timeout), secret=secret, tokens=tokens),
+                    timeout=check_timeout(timeout),
+                    secret=secret if isinstance(secret, str) else list(secret), tokens=tokens),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

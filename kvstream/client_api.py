@@ -49,13 +49,15 @@ class TransferClient(Protocol):
         """Hold ``src_blocks`` under a lease for a destination's pull; a send handle. Only
         a pull presenting the handle's ``secret`` (``secret``, or one made here) gets them."""
 
-    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
+    async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "",
+                   trace_context: Context | None = None, secret: str | Sequence[str] = "",
                    tokens: int | None = None) -> Any:
         """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``; ``secret`` is
-        the offer's, as the source handed it out; ``tokens`` as for ``push``."""
+        the offer's, as the source handed it out; ``tokens`` as for ``push``. A list of
+        sources: gather this rank's KV heads from the ranks holding them, as one request
+        (complete when every part landed, failed whole if one fails)."""
 
     async def statistics(self) -> dict[str, int]:
         """The agent's counters (``AgentStatistics``' integer fields)."""

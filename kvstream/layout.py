@@ -41,7 +41,8 @@ DTYPE_BYTES: Final[dict[str, int]] = {
 # An FP8 cache: its blocks travel with their scales and no codec re-quantizes them.
 FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
-Arrangement = Literal["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla"]
+Arrangement = Literal["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla",
+                      "split_nhd"]
 
 # name -> (block index outermost?, shape builder doc). Shapes use
 # nb=num_blocks, bs=block_size, h=num_kv_heads, d=head_dim.
@@ -52,9 +53,12 @@ ARRANGEMENTS: Final[dict[str, str]] = {
     "cpu_hnbc": "[nb, h, bs, 2*d]  (vLLM CPU attention backend; per block and head, bs K rows "
                 "then bs V rows)",
     "mla": "[nb, bs, d]  (MLA compressed latent; h must be 1, no separate V)",
+    "split_nhd": "K and V in separate tensors, each [nb*bs, h, d], registered K of every "
+                 "layer first, then V (SGLang's MHA token-to-KV pool: a page is a block)",
 }
 
-_KV_OUTER: Final = frozenset({"flash_nhd", "flash_hnd"})
+# K/V first in one tensor, or K and V in tensors of their own: a block is two chunks.
+_KV_OUTER: Final = frozenset({"flash_nhd", "flash_hnd", "split_nhd"})
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +84,15 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.arrangement == "mla" and self.num_kv_heads != 1:
             raise ConfigError("the mla arrangement stores one latent per token: num_kv_heads=1")
+
+    @property
+    def split(self) -> bool:
+        """K and V live in tensors of their own (2 per layer, registered K first)."""
+        return self.arrangement == "split_nhd"
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 2 if self.split else 1
 
     # -- size arithmetic (DESIGN.md) -------------------------------------------------
     @property
@@ -117,7 +130,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return math.ceil(tokens / self.block_size)
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""
+        """Shape of one layer's cache tensor holding ``num_blocks`` blocks (split: each
+        of its K and V tensors)."""
         nb, bs, h, d = num_blocks, self.block_size, self.num_kv_heads, self.head_dim
         return {
             "flash_nhd": (2, nb, bs, h, d),
@@ -125,10 +139,14 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             "blocks_first_nhd": (nb, 2, bs, h, d),
             "cpu_hnbc": (nb, h, bs, 2 * d),
             "mla": (nb, bs, d),
+            "split_nhd": (nb * bs, h, d),
         }[self.arrangement]
 
     def num_blocks_of(self, shape: tuple[int, ...]) -> int:
-        """The block count a layer tensor of ``shape`` holds (inverse of tensor_shape)."""
+        """The block count a layer tensor of ``shape`` holds (inverse of tensor_shape;
+        split: whole pages only)."""
+        if self.split:
+            return shape[0] // self.block_size if shape else 0
         return shape[1] if self.arrangement in _KV_OUTER else shape[0]
 
     @property

@@ -106,18 +106,25 @@ class BlockMap:
 
 
 class RegisteredKV:
-    """An engine's KV cache tensors (one per layer), validated once at registration."""
+    """An engine's KV cache tensors (one per layer; a split layout's K of every layer,
+    then its V), validated once at registration."""
 
     def __init__(self, layout: KVLayout, layers: Sequence[torch.Tensor], *,
                  cache_scales: Sequence[float] | None = None) -> None:
         import torch
 
-        if len(layers) != layout.num_layers:
-            raise LayoutError(f"layout has {layout.num_layers} layers, got {len(layers)} tensors")
+        per = layout.tensors_per_layer
+        if len(layers) != layout.num_layers * per:
+            raise LayoutError(f"layout has {layout.num_layers} layers, got {len(layers)} tensors"
+                              + (" (a split layout registers K of every layer, then V)"
+                                 if per == 2 else ""))
         want_dtype = getattr(torch, layout.dtype)
         first = layers[0]
         num_blocks = layout.num_blocks_of(tuple(first.shape))
         want_shape = layout.tensor_shape(num_blocks)
+        if num_blocks < 1:
+            raise LayoutError(f"layer 0: shape {tuple(first.shape)} holds no whole block "
+                              f"({layout.describe()})")
         for i, t in enumerate(layers):
             if tuple(t.shape) != want_shape:
                 raise LayoutError(
@@ -138,10 +145,26 @@ class RegisteredKV:
         self._elem = _elem_dtype(layout.chunk_bytes)
         elem_size = torch.empty(0, dtype=self._elem).element_size()
         self._row = layout.chunk_bytes // elem_size
-        self._planes = [
-            t.view(torch.uint8).view(self._elem).view(layout.chunks_per_block, num_blocks, self._row)
-            for t in self.layers
+        # Per layer, its planes as [num_blocks, row] (a split layout's from two tensors).
+        self._planes: list[Sequence[torch.Tensor] | torch.Tensor] = [
+            [self._flat(t).view(num_blocks, self._row) for t in self.layer_tensors(i)]
+            if layout.split else
+            self._flat(self.layers[i]).view(layout.chunks_per_block, num_blocks, self._row)
+            for i in range(layout.num_layers)
         ]
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor's bytes as one row of the copy dtype (flat first: a last dimension
+        of, say, 12 FP8 values cannot be viewed as 8-byte words, the whole tensor can)."""
+        import torch
+
+        return t.view(-1).view(torch.uint8).view(self._elem)
+
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The tensors holding one layer: its one cache tensor, or a split layout's K, V."""
+        if self.layout.split:
+            return self.layers[layer], self.layers[self.layout.num_layers + layer]
+        return (self.layers[layer],)
 
     @property
     def planes(self) -> int:
@@ -174,7 +197,7 @@ class RegisteredKV:
         if blocks.contiguous_start is None:
             return None
         start = blocks.contiguous_start
-        return self._planes[layer][plane, start:start + len(blocks)]
+        return self._planes[layer][plane][start:start + len(blocks)]
 
     def staging_view(self, staging: torch.Tensor, nblocks: int) -> torch.Tensor:
         """View a flat uint8 staging buffer as ``[planes, nblocks, row]`` of the copy dtype."""
@@ -215,5 +238,5 @@ class RegisteredKV:
         """One block's bytes in wire order (tests and verification)."""
         import torch
 
-        return torch.cat([self._planes[layer][p, block].view(torch.uint8)
+        return torch.cat([self._planes[layer][p][block].view(torch.uint8)
                           for p in range(self.planes)])

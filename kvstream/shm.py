@@ -157,11 +157,12 @@ class SharedKV:
         self._map = mm
         dtype = getattr(torch, spec.layout.dtype)
         shape = spec.layout.tensor_shape(spec.num_blocks)
-        step = spec.layer_bytes
+        per = spec.layout.tensors_per_layer  # a split layout: K of every layer, then V
+        step = spec.layer_bytes // per
         flat = torch.frombuffer(mm, dtype=torch.uint8)
         self.layers: list[torch.Tensor] = [
             flat[i * step:(i + 1) * step].view(dtype).view(shape)
-            for i in range(spec.layout.num_layers)
+            for i in range(spec.layout.num_layers * per)
         ]
         address = int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
         self._token = next(_tokens)

@@ -27,6 +27,7 @@ def small_layout(arrangement: str = "flash_nhd", layers: int = 4) -> KVLayout:
 def cache(layout: KVLayout, num_blocks: int, *, fill: bool) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shape = layout.tensor_shape(num_blocks)
+    n = layout.num_layers * layout.tensors_per_layer  # split: K of every layer, then V
     if fill:
-        return [torch.randn(shape, generator=gen).to(torch.float16) for _ in range(layout.num_layers)]
-    return [torch.zeros(shape, dtype=torch.float16) for _ in range(layout.num_layers)]
+        return [torch.randn(shape, generator=gen).to(torch.float16) for _ in range(n)]
+    return [torch.zeros(shape, dtype=torch.float16) for _ in range(n)]

@@ -34,9 +34,10 @@ def _kv_heads(layout: KVLayout, t: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         k, v = (t[i].transpose(0, 1).reshape(h, -1, d) for i in (0, 1))
     elif arr == "blocks_first_nhd":  # [nb, 2, bs, h, d]
         k, v = (t[:, i].reshape(-1, h, d).transpose(0, 1) for i in (0, 1))
-    elif arr == "cpu_hnbc":  # [nb, h, bs, 2*d], in memory [nb, h, 2, bs, d] (vLLM CPU)
-        kv = t.reshape(t.shape[0], h, 2, -1, d)
-        k, v = (kv[:, :, i].transpose(0, 1).reshape(h, -1, d) for i in (0, 1))
+    elif arr == "cpu_hnbc":  # [nb, h, bs, 2*d]: per block and head K as [d, bs], V [bs, d]
+        nb, bs = t.shape[0], layout.block_size
+        k = t.reshape(nb, h, 2, d, bs)[:, :, 0].permute(1, 0, 3, 2).reshape(h, -1, d)
+        v = t.reshape(nb, h, 2, bs, d)[:, :, 1].transpose(0, 1).reshape(h, -1, d)
     else:
         raise ConfigError(f"attention accuracy needs separate K and V; {arr} has none")
     return k.float(), v.float()
@@ -88,9 +89,9 @@ def _write_k(layout: KVLayout, t: torch.Tensor, k: torch.Tensor) -> None:
         t[0].copy_(k.reshape(h, t.shape[1], -1, d).transpose(0, 1))
     elif arr == "blocks_first_nhd":
         t[:, 0].copy_(k.transpose(0, 1).reshape(t[:, 0].shape))
-    elif arr == "cpu_hnbc":
-        t.view(t.shape[0], h, 2, -1, d)[:, :, 0].copy_(
-            k.reshape(h, t.shape[0], -1, d).transpose(0, 1))
+    elif arr == "cpu_hnbc":  # K per block and head as [d, bs]
+        nb, bs = t.shape[0], layout.block_size
+        t.view(nb, h, 2, d, bs)[:, :, 0].copy_(k.reshape(h, nb, bs, d).permute(1, 0, 3, 2))
     else:  # mla: one latent, no K of its own
         t.copy_(k.reshape(t.shape))
 

@@ -50,11 +50,11 @@ class ReshapeCodec:
     def encode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
         r = self.reshape
         heads = range(r.src_head, r.src_head + r.heads)
-        pack(self.mem.layers[layer], self.mem.layout, blocks.ids, r.tokens, heads,
+        pack(self.mem.layer_tensors(layer), self.mem.layout, blocks.ids, r.tokens, heads,
              out=self._wire(buf))
 
     def decode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
-        unpack(self._wire(buf), self.mem.layers[layer], self.mem.layout, blocks.ids,
+        unpack(self._wire(buf), self.mem.layer_tensors(layer), self.mem.layout, blocks.ids,
                self.reshape.dst_head)
 
 

@@ -26,6 +26,7 @@ from kvstream.dataplane.send import SendStream
 from kvstream.dataplane.staging import StagingPool
 from kvstream.engine.admission import Admission
 from kvstream.engine.core import Core
+from kvstream.engine.gather import Gatherer
 from kvstream.engine.keeper import Keeper, RemoteLease
 from kvstream.engine.liveness import Liveness
 from kvstream.engine.offers import Offers
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from kvstream.control.port import ControlPort
     from kvstream.dataplane.transport import Transport
     from kvstream.layout import KVLayout
+    from kvstream.transfer.gathered import GatherHandle
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 __all__ = ["Agent", "AgentStatistics"]
@@ -67,6 +69,7 @@ class Agent:
         self.subjects = core.subjects
         self._pusher, self._admission = Pusher(core), Admission(core)
         self._offers, self._puller, self._keeper = Offers(core), Puller(core), Keeper(core)
+        self._gatherer = Gatherer(core, self._puller)
         self._liveness = Liveness(core, self._keeper, layout)
         self._ports = (control, transport)
         self._stack = contextlib.AsyncExitStack()
@@ -181,14 +184,23 @@ class Agent:
         return self._offers.offer(request_id, src_blocks, block_hashes=block_hashes,
                                   mode=mode, lease_s=lease_s, secret=secret)
 
-    async def pull(self, request_id: str, src: str, dst_blocks: Sequence[int], *,
-                   mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
+    async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
+                   *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
-                   trace_context: Context | None = None, secret: str = "",
-                   tokens: int | None = None) -> ReceiveHandle:
+                   trace_context: Context | None = None, secret: str | Sequence[str] = "",
+                   tokens: int | None = None) -> ReceiveHandle | GatherHandle:
         """``tokens``: how many tokens the blocks are to hold, needed only when the
         source's block size differs (default: all they hold; the source may send fewer,
-        what its offer holds)."""
+        what its offer holds). ``src`` a list: gather this rank's heads from several
+        sources (prefill TP > decode TP) as one request, each sending the heads it holds;
+        then ``secret`` may be a list, each source's offer secret in order."""
+        if not isinstance(src, str):
+            return await self._gatherer.gather(
+                request_id, list(src), dst_blocks, mode=mode, lookahead=lookahead, codec=codec,
+                timeout=timeout, trace_context=trace_context, secret=secret, tokens=tokens,
+                have=list(have))
+        if not isinstance(secret, str):
+            raise ConfigError("one source, one secret: a list of secrets is for a gather")
         return await self._puller.pull(
             request_id, src, dst_blocks, mode=mode, have=have, lookahead=lookahead,
             timeout=timeout, codec=codec, trace_context=trace_context, secret=secret,

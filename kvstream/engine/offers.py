@@ -13,10 +13,11 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError, IncompatiblePeerError
+from kvstream._exceptions import ConfigError
 from kvstream.control import messages as m
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.book import Kind, secret_matches
@@ -25,8 +26,8 @@ from kvstream.engine.rules import (
     check_hashes,
     check_mode,
     layout_mismatch,
+    part_mismatch,
     peer_refusal,
-    reshape_between,
     shrink,
     without,
 )
@@ -127,12 +128,14 @@ class Offers:
             assert msg.dst_layout is not None  # checked above
             # The tokens the offer holds, if fewer than asked (a partial last block).
             tokens = min(msg.reshape.tokens, len(full) * mem.layout.block_size)
-            try:
-                reshape = reshape_between(
-                    mem.layout, core.config.tp, msg.dst_layout, msg.dst_tp or TpInfo(), tokens,
-                    single=msg.reshape.single and mem.device.type == "cpu")
-            except IncompatiblePeerError as exc:
-                return reject("incompatible", str(exc))
+            # Any consistent part of a plan: a destination gathering from several sources
+            # asks each for only some of its heads.
+            reshape = msgspec.structs.replace(
+                msg.reshape, tokens=tokens, single=msg.reshape.single and mem.device.type == "cpu")
+            why = part_mismatch(reshape, mem.layout, core.config.tp, msg.dst_layout,
+                                msg.dst_tp or TpInfo())
+            if why is not None:
+                return reject("incompatible", why)
             if mem.layout.blocks_for_tokens(tokens) != len(full) or \
                     msg.dst_layout.blocks_for_tokens(tokens) != len(msg.dst_blocks):
                 return reject("invalid_blocks", f"{len(full)} blocks offered and "

@@ -113,9 +113,12 @@ class DataPaths:
         self.shared = None
         self.ipc.unregister()
         self.device = mem.device.type
-        if "shm" in self.config.paths and mem.device.type == "cpu":
+        # The mapped paths read a peer's layer as one region: a split layout's K and V
+        # are two, so it moves by UCX or TCP.
+        mapped = not mem.layout.split
+        if "shm" in self.config.paths and mem.device.type == "cpu" and mapped:
             self.shared = shm.export(mem.layers, mem.num_blocks)
-        if "cuda_ipc" in self.config.paths and mem.device.type == "cuda":
+        if "cuda_ipc" in self.config.paths and mem.device.type == "cuda" and mapped:
             self.ipc.register(mem)
         if mem.device.type == "cuda" and not rdma_present():
             log.warning("%s: device KV registered on a host without RDMA devices: transfers "

@@ -38,10 +38,12 @@ from kvstream.engine.rules import (
     check_skip,
     layout_mismatch,
     needs_reshape,
+    part_mismatch,
     reshape_between,
     shrink,
     without,
 )
+from kvstream.layout import FP8_DTYPES
 from kvstream.memory import is_run
 from kvstream.quant.scheme import effective_codec, wire_fingerprint
 from kvstream.transfer.handles import ReceiveHandle
@@ -69,7 +71,8 @@ class Puller:
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    timeout: float | None = None, codec: str | None = None,
                    trace_context: Context | None = None, secret: str = "",
-                   tokens: int | None = None) -> ReceiveHandle:
+                   tokens: int | None = None, part: Reshape | None = None) -> ReceiveHandle:
+        """``part``: the heads to ask for, one part of a gather (engine/gather.py)."""
         core = self.core
         mem = core.mem()
         want_codec = effective_codec(codec or core.config.codec, mem.layout)
@@ -80,7 +83,8 @@ class Puller:
         Subjects.check_instance_id(src_instance)
         check_timeout(timeout)
         blocks = mem.block_map(dst_blocks, what="destination block")
-        reshape = self._reshape(src_instance, len(blocks), tokens, want_codec)
+        reshape = self._reshape(src_instance, len(blocks), tokens, want_codec) \
+            if part is None else self._part(src_instance, part, len(blocks))
         entry = core.book.pull(src_instance, request_id, core.clock(), secret)
         span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
                                    request_id=request_id, side="recv", peer=src_instance,
@@ -114,6 +118,22 @@ class Puller:
                                     f"exactly {tokens} tokens")
         return reshape_between(ann.layout, ann.tp or TpInfo(), mem.layout, core.config.tp,
                                tokens, single=mem.device.type == "cpu" and ann.kv_device == "cpu")
+
+    def _part(self, src: str, part: Reshape, nblocks: int) -> Reshape:
+        """A gather's part, checked against what ``src`` announces, with its framing."""
+        core = self.core
+        mem = core.mem()
+        ann = core.registry.announced(src)
+        if ann is None or ann.layout is None:
+            raise NoPeerError(f"{src} announces no KV layout", peer=src)
+        if mem.layout.blocks_for_tokens(part.tokens) != nblocks:
+            raise InvalidBlockError(f"{nblocks} blocks of {mem.layout.block_size} do not hold "
+                                    f"exactly {part.tokens} tokens")
+        why = part_mismatch(part, ann.layout, ann.tp or TpInfo(), mem.layout, core.config.tp)
+        if why is not None:
+            raise IncompatiblePeerError(why)
+        return msgspec.structs.replace(
+            part, single=mem.device.type == "cpu" and ann.kv_device == "cpu")
 
     async def _ask(self, entry: Entry, span: Span, blocks: BlockMap, mode: str,
                    have: list[int], deadline: float, want_codec: str,
@@ -189,17 +209,15 @@ class Puller:
             why = f"the plan {r} does not fill the {nblocks} blocks asked for {asked.tokens} tokens"
         elif reply.num_layers != mem.layout.num_layers:
             why = f"{reply.num_layers} layers against {mem.layout.num_layers}"
+        elif mem.layout.dtype in FP8_DTYPES and list(reply.cache_scales) != mem.cache_scales:
+            why = "other FP8 cache scales than here: the bytes would mean other values"
+        elif msgspec.structs.replace(r, tokens=asked.tokens, single=asked.single) != asked:
+            why = f"the plan {r}, asked {asked}"
         else:
-            try:
-                mine = reshape_between(reply.src_layout, reply.src_tp or TpInfo(), mem.layout,
-                                       core.config.tp, r.tokens)
-            except IncompatiblePeerError as exc:
-                why = str(exc)
-            else:
-                if msgspec.structs.replace(r, single=False) != mine:
-                    why = f"the source's plan {r} is not this side's {mine}"
-                elif r.single and mem.device.type != "cpu":
-                    why = "one-message framing, with KV on a GPU here"
+            why = part_mismatch(r, reply.src_layout, reply.src_tp or TpInfo(), mem.layout,
+                                core.config.tp)
+            if why is None and r.single and mem.device.type != "cpu":
+                why = "one-message framing, with KV on a GPU here"
         if why is not None:
             raise IncompatiblePeerError(f"{src} answered the pull of {entry.request_id!r} "
                                         f"with {why}")

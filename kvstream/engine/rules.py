@@ -20,7 +20,7 @@ from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.layout import FP8_DTYPES, KVLayout
 from kvstream.quant.scheme import CODEC_DTYPES, CODECS, wire_fingerprint, wire_layer_bytes
-from kvstream.transfer.plan import Reshape, TpInfo, reshape_for
+from kvstream.transfer.plan import Reshape, TpInfo, part_refusal, reshape_for
 
 if TYPE_CHECKING:
     from kvstream.control.registry import Registry
@@ -38,6 +38,7 @@ __all__ = [
     "claimed_sender",
     "layout_mismatch",
     "needs_reshape",
+    "part_mismatch",
     "peer_refusal",
     "reshape_between",
     "reshape_refusal",
@@ -158,6 +159,16 @@ def reshape_between(src: KVLayout, src_tp: TpInfo, dst: KVLayout, dst_tp: TpInfo
     except LayoutError as exc:
         raise IncompatiblePeerError(str(exc)) from None
     return msgspec.structs.replace(r, single=single)
+
+
+def part_mismatch(r: Reshape, src: KVLayout, src_tp: TpInfo, dst: KVLayout,
+                  dst_tp: TpInfo) -> str | None:
+    """Why ``r`` is not a safe part of a plan between two instances (None: it is): what a
+    source checks of a pull asking for some of its heads."""
+    try:
+        return part_refusal(r, src_tp.shard(src), dst_tp.shard(dst))
+    except LayoutError as exc:
+        return str(exc)
 
 
 def reshape_refusal(msg: m.Manifest, mem: RegisteredKV, tp: TpInfo) -> str | None:

@@ -169,23 +169,36 @@ class LayerCodec:
             raise QuantizationError(f"a {buf.numel()}-byte buffer on {buf.device} cannot hold "
                                     f"{nblocks} blocks of {self.name} for KV on {self.mem.device}")
         lay = self.mem.layout
-        nscales = self.geo.planes * nblocks * groups_per_chunk(lay)
+        planes = lay.chunks_per_block  # on the wire (a split layout's backend sees one)
+        nscales = planes * nblocks * groups_per_chunk(lay)
         head = scales_bytes(lay, nblocks)
         scales = buf[:nscales * 4].view(torch.float32)
-        codes = buf[head:head + self.geo.planes * nblocks * self.geo.chunk]
+        codes = buf[head:head + planes * nblocks * self.geo.chunk]
         return codes, scales
+
+    def _tensors(self, layer: int, codes: torch.Tensor, scales: torch.Tensor
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(cache tensor, its codes, its scales) per tensor of the layer: a split layout's
+        K and V each take their plane of the wire (planes are outermost)."""
+        ts = self.mem.layer_tensors(layer)
+        if len(ts) == 1:
+            return [(ts[0], codes, scales)]
+        return [(t, codes.view(len(ts), -1)[p], scales.view(len(ts), -1)[p])
+                for p, t in enumerate(ts)]
 
     def encode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
         """Gather + quantize the layer's blocks into ``buf`` (uint8, ``layer_bytes``)."""
         codes, scales = self._split(buf, len(blocks))
         with _as_quantization_error("encode"):
-            self.backend.encode(self.mem.layers[layer], blocks, codes, scales)
+            for src, c, s in self._tensors(layer, codes, scales):
+                self.backend.encode(src, blocks, c, s)
 
     def decode(self, layer: int, blocks: BlockMap, buf: torch.Tensor) -> None:
         """Dequantize ``buf`` into the layer's blocks, in the engine dtype."""
         codes, scales = self._split(buf, len(blocks))
         with _as_quantization_error("decode"):
-            self.backend.decode(codes, scales, self.mem.layers[layer], blocks)
+            for dst, c, s in self._tensors(layer, codes, scales):
+                self.backend.decode(c, s, dst, blocks)
 
 
 @contextlib.contextmanager

@@ -94,6 +94,7 @@ def scale_groups(layout: KVLayout) -> tuple[int, int, int, int]:
         # bs K rows, then its bs V rows, per head (cpu_attn.py views it so and chunks dim 2)
         "cpu_hnbc": (2 * h, 1, 1, bs * d),
         "mla": (1, 1, 1, bs * d),            # one latent "head"
+        "split_nhd": (1, bs, h, d),          # K's or V's tensor: a page [bs, h, d]
     }[layout.arrangement]
 
 
@@ -104,7 +105,8 @@ class Geometry:
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.groups = scale_groups(layout)
-        self.planes = layout.chunks_per_block
+        # A split layout's K and V are tensors of their own: a backend sees one at a time.
+        self.planes = 1 if layout.split else layout.chunks_per_block
         self.num_blocks = num_blocks
         self.chunk = layout.chunk_bytes // layout.dtype_bytes
         self.dtype = layout.dtype

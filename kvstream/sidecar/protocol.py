@@ -97,7 +97,7 @@ class Offer(LocalMessage, tag="offer", frozen=True):
 
 class Pull(LocalMessage, tag="pull", frozen=True):
     request_id: str
-    src: str
+    src: str | list[str]  # several: a gather (Agent.pull)
     dst_blocks: list[int]
     mode: Literal["eager", "lazy"] = "eager"
     have: list[int] = []
@@ -105,7 +105,8 @@ class Pull(LocalMessage, tag="pull", frozen=True):
     codec: str | None = None
     traceparent: str = ""
     timeout: float | None = None
-    secret: str = ""  # the offer's secret, as its source handed it out
+    secret: str | list[str] = ""  # the offer's secret, as its source handed it out (a
+    # gather: one per source, or one for all)
     tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # unequal layouts
 
 

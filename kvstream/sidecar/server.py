@@ -26,6 +26,7 @@ from kvstream.layout import KVLayout
 from kvstream.shm import SharedKV
 from kvstream.sidecar import protocol as lp
 from kvstream.sidecar.protocol import read_frame
+from kvstream.transfer.gathered import GatherHandle
 from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["Sidecar", "read_frame"]  # read_frame: re-exported from the protocol
 
 log = logging.getLogger("kvstream.sidecar")
+
+_RECEIVES = (ReceiveHandle, GatherHandle)
 
 
 class _Session:
@@ -44,7 +47,7 @@ class _Session:
         self.agent = sidecar.agent
         self.stream = stream
         self.lock = anyio.Lock()
-        self.handles: dict[int, SendHandle | ReceiveHandle] = {}
+        self.handles: dict[int, SendHandle | ReceiveHandle | GatherHandle] = {}
         self.ids = itertools.count(1)
         self.shared: SharedKV | None = None
         self.cuda = False  # device KV mapped through CUDA IPC
@@ -82,16 +85,17 @@ class _Session:
         match msg:
             case lp.LayerReady() | lp.Fetch():
                 # The per-layer hot path, no reply: only a bad handle or layer is answered.
-                kind = SendHandle if isinstance(msg, lp.LayerReady) else ReceiveHandle
+                kind = SendHandle if isinstance(msg, lp.LayerReady) else _RECEIVES
                 handle = self.handles.get(msg.handle)
-                if isinstance(handle, kind) and 0 <= msg.layer < handle.transfer.num_layers:
+                if isinstance(handle, kind) and 0 <= msg.layer < handle.num_layers:
                     if isinstance(handle, SendHandle):
                         handle.layer_ready(msg.layer)
                     else:
                         handle.fetch(msg.layer)
                 else:
                     await self.reply_error(0, ConfigError(
-                        f"no {kind.__name__} {msg.handle} with layer {msg.layer}"))
+                        f"no {'send' if kind is SendHandle else 'receive'} handle "
+                        f"{msg.handle} with layer {msg.layer}"))
             case lp.Offer():
                 try:
                     sent = self.agent.offer(msg.request_id, msg.src_blocks, mode=msg.mode,
@@ -101,7 +105,7 @@ class _Session:
                     await self.reply_error(msg.id, exc)
                     return
                 hid = self._track(sent)
-                await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=sent.transfer.num_layers,
+                await self.send(lp.Ok(id=msg.id, handle=hid, num_layers=sent.num_layers,
                                       secret=sent.secret))
                 tg.start_soon(self._finished, hid, sent)
             case lp.Pull():
@@ -119,7 +123,7 @@ class _Session:
                     return
                 hid = self._track(handle)
                 await self.send(lp.Ok(id=msg.id, handle=hid,
-                                      num_layers=handle.transfer.num_layers))
+                                      num_layers=handle.num_layers))
                 tg.start_soon(self._watch_receive, hid, handle)
             case lp.Push():
                 tg.start_soon(self._push, msg, tg)
@@ -130,7 +134,7 @@ class _Session:
             case _:
                 await self.reply_error(msg.id, ConfigError(f"{type(msg).__name__} is not a request"))
 
-    def _track(self, handle: SendHandle | ReceiveHandle) -> int:
+    def _track(self, handle: SendHandle | ReceiveHandle | GatherHandle) -> int:
         hid = next(self.ids)
         self.handles[hid] = handle
         return hid
@@ -187,11 +191,11 @@ class _Session:
             await self.reply_error(rid, exc)
             return
         hid = self._track(handle)
-        await self.send(lp.Ok(id=rid, handle=hid, num_layers=handle.transfer.num_layers))
+        await self.send(lp.Ok(id=rid, handle=hid, num_layers=handle.num_layers))
         await follow(hid, handle)
 
-    async def _watch_receive(self, hid: int, handle: ReceiveHandle) -> None:
-        for layer in range(handle.transfer.num_layers):
+    async def _watch_receive(self, hid: int, handle: ReceiveHandle | GatherHandle) -> None:
+        for layer in range(handle.num_layers):
             try:
                 await handle.wait_landed(layer)
             except KVStreamError:
@@ -199,7 +203,8 @@ class _Session:
             await self.send(lp.LayerLanded(handle=hid, layer=layer))
         await self._finished(hid, handle)
 
-    async def _finished(self, hid: int, handle: SendHandle | ReceiveHandle) -> None:
+    async def _finished(self, hid: int,
+                        handle: SendHandle | ReceiveHandle | GatherHandle) -> None:
         result = await handle.result()
         self.handles.pop(hid, None)
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):

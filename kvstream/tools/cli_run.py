@@ -44,6 +44,11 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
 @click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--model", help="refuse KV memory of any layout but this preset's")
+@click.option("--tp-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="the engine's tensor-parallel rank (its layout holds this rank's KV heads)")
+@click.option("--tp-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--total-kv-heads", type=click.IntRange(min=0), default=0,
+              help="the model's KV heads (default: the layout's times --tp-size)")
 @click.option("--endpoint", default="",
               help="the engine's OpenAI HTTP base URL, announced for `kvstream proxy`")
 @click.option("--trace-file", type=click.Path(dir_okay=False),
@@ -53,26 +58,35 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
 def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
             nats_auth: NatsAuth, namespace: str,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
-            max_inflight_layers: int, max_transfers: int, model: str | None, endpoint: str,
-            log_level: str, trace_file: str | None) -> None:
+            max_inflight_layers: int, max_transfers: int, model: str | None, tp_rank: int,
+            tp_size: int, total_kv_heads: int, endpoint: str, log_level: str,
+            trace_file: str | None) -> None:
     """Run an agent next to one engine, served over a Unix socket."""
     import os
     import signal
 
     import anyio
+    import msgspec
 
     from kvstream.config import AgentConfig
     from kvstream.sidecar.server import Sidecar
+    from kvstream.transfer.plan import TpInfo
 
     log_to_stderr(log_level)
+    if tp_rank >= tp_size:
+        raise click.BadParameter(f"rank {tp_rank} of TP {tp_size}", param_hint="--tp-rank")
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls
+    layout = layout_from(model, None, None, None, 16, "float16")[2] if model else None
+    if layout is not None and tp_size > 1:  # the preset is the whole model: this rank's share
+        total_kv_heads = total_kv_heads or layout.num_kv_heads
+        layout = msgspec.structs.replace(layout, num_kv_heads=max(1, total_kv_heads // tp_size))
     config = AgentConfig(instance_id=instance_id, role=role, namespace=namespace,  # type: ignore[arg-type]
                          nats_url=nats_url, nats_auth=nats_auth,
                          ucx_error_handling=ucx_error_handling,
                          staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
-                         max_transfers=max_transfers, endpoint=endpoint)
-    layout = layout_from(model, None, None, None, 16, "float16")[2] if model else None
+                         max_transfers=max_transfers, endpoint=endpoint,
+                         tp=TpInfo(rank=tp_rank, size=tp_size, total_kv_heads=total_kv_heads))
     server = Sidecar(config, socket_path, layout=layout)
     shutdown_tracing = _configure_tracing(f"kvstream-sidecar-{instance_id}", trace_file)
 

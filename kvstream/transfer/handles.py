@@ -20,7 +20,7 @@ from kvstream._exceptions import (
     TransferError,
     TransferTimeout,
 )
-from kvstream.transfer.state import Transfer, TransferResult, TransferState
+from kvstream.transfer.state import EndCause, Transfer, TransferResult, TransferState
 
 if TYPE_CHECKING:
     from kvstream.memory import BlockMap
@@ -35,7 +35,8 @@ def error_for(result: TransferResult) -> TransferError:
         TransferState.TIMED_OUT.value: TransferTimeout,
         TransferState.EXPIRED.value: LeaseExpiredError,
     }.get(result.status, TransferError)
-    if result.status == TransferState.FAILED.value and result.reason.startswith("peer lost"):
+    if result.status == TransferState.FAILED.value and (
+            result.cause == EndCause.PEER_LOST or result.reason.startswith("peer lost")):
         kind = PeerLostError
     return kind(f"transfer {result.transfer_id} for request {result.request_id} "
                 f"{result.status}: {result.reason}", request_id=result.request_id, peer=result.peer)
@@ -69,6 +70,10 @@ class _Handle(Waitable):
     @property
     def request_id(self) -> str:
         return self.transfer.request_id
+
+    @property
+    def num_layers(self) -> int:
+        return self.transfer.num_layers
 
     @property
     def done(self) -> bool:

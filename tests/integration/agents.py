@@ -37,3 +37,10 @@ async def settle(*agents: Agent, timeout: float = 5.0) -> None:
     with anyio.fail_after(timeout):
         while any(a.statistics().transfers_active for a in agents):
             await anyio.sleep(0.02)
+
+
+async def meet(*agents: Agent, timeout: float = 10.0) -> None:
+    """Until every agent has seen every other's announcement (layouts, TP shares)."""
+    with anyio.fail_after(timeout):
+        while any(len(a.peers()) < len(agents) - 1 for a in agents):
+            await anyio.sleep(0.02)

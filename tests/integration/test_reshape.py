@@ -11,7 +11,7 @@ import torch
 from kvstream import Agent, IncompatiblePeerError
 from kvstream.layout import KVLayout
 from kvstream.transfer.plan import TpInfo, pack
-from tests.integration.agents import assert_at_rest, cfg, settle
+from tests.integration.agents import assert_at_rest, cfg, meet, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -22,11 +22,6 @@ def _cache(lay: KVLayout, n: int, *, fill: bool, seed: int = 0) -> list[torch.Te
     return [torch.randn(lay.tensor_shape(n), generator=gen).to(dtype) if fill
             else torch.zeros(lay.tensor_shape(n), dtype=dtype) for _ in range(lay.num_layers)]
 
-
-async def _meet(*agents: Agent) -> None:
-    with anyio.fail_after(10):
-        while any(len(a.peers()) < len(agents) - 1 for a in agents):
-            await anyio.sleep(0.02)
 
 
 def _same(p: Agent, d: Agent, src: list[int], dst: list[int], tokens: int,
@@ -66,7 +61,7 @@ async def test_push_between_unequal_layouts_lands_every_element(nats_server, cas
                      kv_caches=_cache(p_lay, 12, fill=True)) as p, \
             Agent(cfg("rd", nats_server, tp=dst_tp), layout=d_lay,
                   kv_caches=_cache(d_lay, 12, fill=False)) as d:
-        await _meet(p, d)
+        await meet(p, d)
         rx = d.expect("reserved", dst)
         tx = await p.push("reserved", "rd", src, tokens=tokens)
         tx.all_ready()
@@ -101,7 +96,7 @@ async def test_what_cannot_be_mapped_is_refused_before_any_byte(nats_server):
                   kv_caches=_cache(KVLayout(**base), 8, fill=False)) as d, \
             Agent(cfg("xe", nats_server), layout=KVLayout(**{**base, "head_dim": 64}),
                   kv_caches=_cache(KVLayout(**{**base, "head_dim": 64}), 8, fill=False)) as e:
-        await _meet(p, d, e)
+        await meet(p, d, e)
         with pytest.raises(IncompatiblePeerError, match="several sources"):
             await p.push("r", "xd", [0, 1])  # rank 0 of 2 holds half the heads xd needs
         with pytest.raises(IncompatiblePeerError, match="head_dim 32 against 64"):
@@ -122,7 +117,7 @@ async def test_pull_between_unequal_layouts(nats_server, mode):
                      kv_caches=_cache(p_lay, 12, fill=True)) as p, \
             Agent(cfg("ld", nats_server, tp=TpInfo(rank=0, size=2)), layout=d_lay,
                   kv_caches=_cache(d_lay, 12, fill=False)) as d:
-        await _meet(p, d)
+        await meet(p, d)
         offer = p.offer("r", src)
         offer.all_ready()
         rx = await d.pull("r", "lp", dst, mode=mode, secret=offer.secret)

@@ -308,3 +308,40 @@ async def test_sigterm_aborts_in_flight_transfers_and_exits_cleanly(sidecars, na
             assert mine.status in ("aborted", "failed")
         assert await anyio.to_thread.run_sync(proc.wait, 15) == 0
         assert "aborting in-flight transfers" in proc.stderr.read()
+
+
+async def test_gather_through_sidecars_of_two_prefill_ranks(sidecars):
+    """Prefill TP 2 (two sidecars, each rank's layout: 2 of 4 heads, block 16) -> decode
+    TP 1 (block 32): the decode engine gathers the request from both ranks in one pull."""
+    half = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
+    whole = KVLayout(num_layers=3, num_kv_heads=4, head_dim=32, block_size=32, dtype="float16")
+    socks = [sidecars(f"sc-g-p{r}", "--tp-rank", str(r), "--tp-size", "2")[1] for r in (0, 1)]
+    _, dsock = sidecars("sc-g-d")
+    srcs = [SharedKV.create(half, 8) for _ in socks]
+    dst = SharedKV.create(whole, 8)
+    for rank, s in enumerate(srcs):
+        fill(s)
+        for t in s.layers:
+            t.add_(rank * 4)  # the two ranks' heads differ: a swap would show
+    sb, db, tokens = [5, 0, 3], [6, 1], 40
+    async with Client.connect(socks[0]) as p0, Client.connect(socks[1]) as p1, \
+            Client.connect(dsock) as d:
+        for client, lay, shared in ((p0, half, srcs[0]), (p1, half, srcs[1]), (d, whole, dst)):
+            await client.register_kv(lay, shared)
+        with anyio.fail_after(20):
+            tx0 = await p0.offer("g", sb)
+            tx1 = await p1.offer("g", sb, secret=tx0.secret)
+            tx0.all_ready()
+            tx1.all_ready()
+            rx = await d.pull("g", ["sc-g-p0", "sc-g-p1"], db, secret=tx0.secret, tokens=tokens)
+            done = await rx.wait()
+            await tx0.wait()
+            await tx1.wait()
+        assert done.peer == "sc-g-p0,sc-g-p1" and rx.layer_landed(2)
+    from kvstream.transfer.plan import pack
+
+    for layer in range(3):
+        got = pack(dst.layers[layer], whole, db, tokens)
+        for rank, s in enumerate(srcs):
+            want = pack(s.layers[layer], half, sb, tokens)
+            assert torch.equal(got[:, :, 2 * rank:2 * rank + 2], want), (layer, rank)

@@ -218,9 +218,12 @@ def _rearrange(nhd: torch.Tensor, arrangement: str) -> torch.Tensor:
     return {
         "flash_hnd": lambda: nhd.transpose(2, 3),
         "blocks_first_nhd": lambda: nhd.transpose(0, 1),
-        # [nb, h, bs, 2*d] holding, per block and head, bs K rows then bs V rows (vLLM CPU)
-        "cpu_hnbc": lambda: nhd.permute(1, 3, 0, 2, 4).reshape(
-            nhd.shape[1], nhd.shape[3], nhd.shape[2], 2 * nhd.shape[4]),
+        # [nb, h, bs, 2*d] holding, per block and head, K as [d, bs] then V as [bs, d]
+        # (vLLM CPU)
+        "cpu_hnbc": lambda: torch.cat(
+            [nhd[0].permute(0, 2, 3, 1).reshape(*nhd.shape[1:2], nhd.shape[3], -1),
+             nhd[1].permute(0, 2, 1, 3).reshape(*nhd.shape[1:2], nhd.shape[3], -1)],
+            dim=2).reshape(nhd.shape[1], nhd.shape[3], nhd.shape[2], 2 * nhd.shape[4]),
     }[arrangement]().contiguous()
 
 

@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[str, str],
-           log: str | None = None) -> None:
+           log: str | None = None, engine_kw: dict[str, Any] | None = None) -> None:
     os.setsid()  # the test kills the whole group (engine core included)
     os.environ.update(env)
     if log:  # this process's and its children's (engine core, workers) stdout and stderr
@@ -41,9 +41,9 @@ def _serve(conn: Any, model: str, kv_config: dict[str, Any] | None, env: dict[st
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    args = EngineArgs(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK,
-                      max_model_len=512, max_num_seqs=8, seed=0,
-                      kv_transfer_config=kv_config)
+    args = EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
+                      max_num_seqs=8, seed=0, kv_transfer_config=kv_config,
+                      **{"block_size": BLOCK, **(engine_kw or {})})
     engine = LLMEngine.from_engine_args(args)
     conn.send(("ready", os.getpid()))
 
@@ -96,15 +96,17 @@ class Engine:
     """A vLLM engine process; ``generate([{prompt, max_tokens, params}])`` -> outputs.
 
     ``log``: a file for the output of the engine's processes (vLLM's log lines and ours).
+    ``engine_kw``: more ``EngineArgs`` (``block_size``, ``tensor_parallel_size``).
     """
 
     def __init__(self, model: Path, kv_config: dict[str, Any] | None, *, env: dict[str, str],
-                 start_timeout: float = 240.0, log: Path | None = None) -> None:
+                 start_timeout: float = 240.0, log: Path | None = None,
+                 engine_kw: dict[str, Any] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.log = log
         self.proc = ctx.Process(target=_serve, args=(child, str(model), kv_config, env,
-                                                     str(log) if log else None),
+                                                     str(log) if log else None, engine_kw),
                                 daemon=False)
         self.proc.start()
         self._start_timeout = start_timeout
@@ -161,7 +163,7 @@ def kv_config(role: str, nats_url: str, **extra: Any) -> dict[str, Any]:
         "kv_connector_extra_config": {"nats_url": nats_url, "heartbeat_s": 1.0,
                                       "peer_timeout_s": 10.0, **extra},
     }
-    if role == "kv_consumer":
+    if role in ("kv_consumer", "kv_both"):
         cfg["kv_load_failure_policy"] = "recompute"
     return cfg
 

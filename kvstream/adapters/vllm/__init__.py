@@ -18,6 +18,13 @@ through the pickled ``KVStreamMetadata`` of each step. The flow (docs/design/vll
   the blocks its own prefix cache already had (``have``); a pull that fails is reported in
   ``failed_recving`` with its blocks as load errors, so vLLM recomputes (with
   ``kv_load_failure_policy="recompute"``) instead of decoding garbage.
+* unequal engines: the prefill may use another block size or TP degree (its params say
+  which). Each decode rank pulls from the prefill rank(s) holding its KV heads (several:
+  one gather; ``ranks.py``) and the engine converts the blocks (``tokens=``). Declined,
+  visibly, with the prefill's hold released and the prompt computed here: decode TP above
+  prefill TP (an offer serves one puller), a decode-side prefix hit between unequal
+  layouts (the engine would rewrite shared cached blocks), another block size on vLLM's
+  CPU attention in bfloat16 (its block layout there was not probed: ``common.CPU_CONVERTS``).
 
 The scheduler role opens no connection; the worker role starts one ``Agent`` per worker
 process on first ``register_kv_caches``. ``kv_transfer_params`` use NIXL's keys, so proxies
@@ -55,9 +62,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise AdapterError("kvstream.adapters.vllm needs vLLM >= 0.32 (KVConnectorBase_V1 with "
                        f"the three-argument constructor): {exc}") from exc
 
+from kvstream.adapters.vllm.caches import layout_of_vllm_caches
 from kvstream.adapters.vllm.common import EVENTS_ENV, KVStreamMetadata, use_vllm_logging
 from kvstream.adapters.vllm.scheduler import SchedulerSide
-from kvstream.adapters.vllm.worker import WorkerSide, layout_of_vllm_caches
+from kvstream.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch

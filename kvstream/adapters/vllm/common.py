@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvstream._exceptions import AdapterError, ConfigError
 
@@ -23,7 +23,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["EVENTS_ENV", "KVStreamMetadata", "Side", "flat", "use_vllm_logging"]
+__all__ = ["CPU_CONVERTS", "CPU_REFUSAL", "EVENTS_ENV", "KVStreamMetadata",
+           "PullJob", "Remote", "Side", "flat", "total_kv_heads", "use_vllm_logging"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
@@ -36,6 +37,30 @@ EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_
                         "staging_bytes", "nats_auth"})
 
 
+@dataclass(frozen=True)
+class Remote:
+    """Where a decode request's prompt KV is held, read from the prefill's kv_transfer_params."""
+
+    instance: str           # the prefill engine's instance id (its TP ranks add "-tp<r>")
+    request_id: str         # the request id its offers are under
+    secret: str = ""        # the offers' secret (every prefill rank offers under one)
+    tp_size: int = 1        # the prefill engine's tensor-parallel degree
+    block_size: int = 0     # the prefill engine's block size
+    device: str = ""        # where the prefill engine keeps its KV ("cpu", "cuda"; "": not said)
+
+
+@dataclass(frozen=True)
+class PullJob:
+    """One decode request's load: the worker pulls the prompt's KV into ``blocks``."""
+
+    remote: Remote
+    blocks: list[int]       # every prompt block here, the local prefix-cache hits first
+    have: list[int]         # kvstream hashes of those hits (an equal-layout source skips them)
+    local: int              # how many of ``blocks`` the local prefix cache supplied
+    codec: str              # on the wire ("none" between unequal layouts)
+    tokens: int             # the prompt tokens the blocks are to hold
+
+
 @dataclass
 class KVStreamMetadata(KVConnectorMetadata):
     """One step's decisions, scheduler to workers (pickled: plain data only)."""
@@ -43,15 +68,24 @@ class KVStreamMetadata(KVConnectorMetadata):
     # prefill: request id -> (block ids, prefix hashes of its full blocks, offer secret)
     offer: dict[str, tuple[list[int], list[int], str]] = field(default_factory=dict)
     abort_offer: list[str] = field(default_factory=list)
-    # decode: request id -> (source instance, its request id, the offer's secret)
-    keep: dict[str, tuple[str, str, str]] = field(default_factory=dict)
-    # decode: request id -> (source, its request id, local blocks, have hashes, local hits,
-    # wire codec, the offer's secret)
-    pull: dict[str, tuple[str, str, list[int], list[int], int, str, str]] = field(
-        default_factory=dict)
+    # decode: request id -> the prefill holds to keep alive while it waits for blocks
+    keep: dict[str, Remote] = field(default_factory=dict)
+    # decode: request id -> its load
+    pull: dict[str, PullJob] = field(default_factory=dict)
     abort_pull: list[str] = field(default_factory=list)
-    # decode: (source, its request id, reason, secret) holds to drop without pulling
-    release: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # decode: (holds, reason) to drop without pulling
+    release: list[tuple[Remote, str]] = field(default_factory=list)
+
+
+# vLLM's CPU attention (0.32, "vec" ISA: float32/float16 on x86) keeps K transposed in
+# each block and head, [head_dim, block_size], and V as [block_size, head_dim]; kvstream's
+# cpu_hnbc arrangement reads exactly that (transfer/plan.py plane_views). Other ISAs (AMX
+# for bfloat16, NEON) may pack blocks otherwise: a conversion to another block size is
+# made only for the dtypes whose layout was probed. Verbatim blocks are exact either way.
+CPU_CONVERTS: Final = frozenset({"float32", "float16"})
+CPU_REFUSAL: Final = ("vLLM's CPU attention may pack a bfloat16 block otherwise than the "
+                      "float32/float16 layout kvstream reads (probed on vLLM 0.32's x86 "
+                      "kernels): another block size would scramble it")
 
 
 class _ToVllmLogger(logging.Handler):
@@ -106,6 +140,16 @@ def flat(block_ids: Any) -> list[int]:
     return [int(b) for b in (block_ids or ())]
 
 
+def total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV head count over all TP ranks (0: unknown; rank-to-rank pairing with
+    equal TP still works without it)."""
+    mc = vllm_config.model_config
+    try:
+        return int(mc.get_total_num_kv_heads()) if mc is not None else 0
+    except (AttributeError, TypeError, ValueError):  # no head count in this config
+        return 0
+
+
 class Events:
     """JSON lines of connector decisions, for tests and debugging (``KVSTREAM_VLLM_EVENTS``)."""
 
@@ -147,6 +191,9 @@ class Side:
         self._namespace = self._extra.get("namespace", "default")
         self._codec = self._extra.get("codec", "none")
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._total_kv_heads = total_kv_heads(vllm_config)
+        device = getattr(vllm_config, "device_config", None)
+        self._device = str(getattr(device, "device_type", "") or "")
         # Informational for NIXL-shaped routers; kvstream finds peers through NATS.
         self._host = str(self._extra.get("host") or socket.gethostname())
         self._events = Events(role_name)

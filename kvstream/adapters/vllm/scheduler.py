@@ -1,14 +1,32 @@
 """The scheduler role of ``KVStreamConnector`` (vLLM's engine-core process): decides, per
 step, which blocks the worker offers (prefill) or pulls into (decode). No connection: it
-only knows its worker's instance id, which goes out in ``remote_engine_id``."""
+only knows its worker's instance id, which goes out in ``remote_engine_id``.
+
+The prefill and decode engines may differ in block size and TP degree (the params say
+the prefill's: ``kvstream.block_size``, ``tp_size``): the decode side counts its blocks
+with its own block size and asks for the prompt's tokens; the engine converts between
+the layouts (``Agent.pull(..., tokens=)``) and each decode rank pulls from the prefill
+ranks holding its heads (``ranks.py``). Between unequal layouts the engine moves whole
+prompts, so a decode-side prefix-cache hit declines the load (see ``_refusal``).
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from kvstream.adapters.vllm.common import REQUIRED, KVStreamMetadata, Side, flat, log
+from kvstream.adapters.vllm import ranks
+from kvstream.adapters.vllm.common import (
+    REQUIRED,
+    KVStreamMetadata,
+    PullJob,
+    Remote,
+    Side,
+    flat,
+    log,
+)
 from kvstream.prefix import block_hashes
 
 if TYPE_CHECKING:
@@ -28,30 +46,96 @@ class SchedulerSide(Side):
         self._producing: dict[str, Request] = {}   # prefill: awaiting the prompt's last chunk
         # prefill: offered, blocks owned until sent; the offer's secret, for the params
         self._offered: dict[str, str] = {}
-        self._kept: dict[str, tuple[str, str, str]] = {}  # decode: lease kept, not allocated
-        self._loading: dict[str, tuple[str, str, str]] = {}  # decode: pull asked, not finished
+        self._kept: dict[str, Remote] = {}     # decode: lease kept, not allocated
+        self._loading: dict[str, Remote] = {}  # decode: pull asked, not finished
+        self._declined: dict[str, str] = {}    # decode: not loaded, and why (logged once)
+        self._warned: set[str] = set()         # configuration warnings given (once each)
 
-    def _remote(self, params: dict[str, Any]) -> tuple[str, str, str] | None:
-        """(source instance, its request id, the offer's secret) of complete prefill params,
-        else None."""
+    def _remote(self, params: dict[str, Any]) -> Remote | None:
+        """Where complete prefill params say the prompt's KV is held, else None."""
         if any(params.get(k) is None for k in REQUIRED):
             shown = {k: v for k, v in params.items() if k != "kvstream"}  # it holds the secret
             log.warning("incomplete kv_transfer_params (need %s): %s", ", ".join(REQUIRED), shown)
             return None
         ours = params.get("kvstream")
-        if isinstance(ours, dict) and ours.get("block_size", self._block_size) != self._block_size:
-            log.warning("prefill block_size %s != %s here: recomputing instead",
-                        ours.get("block_size"), self._block_size)
+        ours = ours if isinstance(ours, dict) else {}
+        # Params without them (NIXL-shaped, from elsewhere) mean an engine like this one.
+        block_size = ours.get("block_size", self._block_size)
+        tp_size = params.get("tp_size", self._tp_size)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                   for v in (block_size, tp_size)):
+            log.warning("kv_transfer_params with block_size %r and tp_size %r: recomputing "
+                        "instead", block_size, tp_size)
             return None
-        secret = ours.get("secret", "") if isinstance(ours, dict) else ""
-        return (str(params["remote_engine_id"]), str(params["remote_request_id"]),
-                secret if isinstance(secret, str) else "")
+        secret, device = ours.get("secret", ""), ours.get("device", "")
+        return Remote(instance=str(params["remote_engine_id"]),
+                      request_id=str(params["remote_request_id"]),
+                      secret=secret if isinstance(secret, str) else "",
+                      tp_size=tp_size, block_size=block_size,
+                      device=device if isinstance(device, str) else "")
+
+    def _unequal(self, remote: Remote) -> str:
+        """How the prefill's KV blocks differ from this engine's, as its params tell ("": not)."""
+        diff = []
+        if remote.block_size != self._block_size:
+            diff.append(f"block size {remote.block_size} -> {self._block_size}")
+        if remote.tp_size != self._tp_size:
+            diff.append(f"TP {remote.tp_size} -> {self._tp_size}")
+        return ", ".join(diff)
+
+    def _refusal(self, remote: Remote, local_tokens: int) -> tuple[str, bool] | None:
+        """Why this request's prompt is not loaded from ``remote``, and whether that is the
+        deployment's (every request from such a prefill engine), or None: it is loaded."""
+        if remote.tp_size != self._tp_size:
+            if self._total_kv_heads <= 0:
+                return (f"prefill TP {remote.tp_size}, decode TP {self._tp_size}, and the "
+                        "model's KV head count is unknown"), True
+            why = ranks.refusal(remote.tp_size, self._tp_size, self._total_kv_heads)
+            if why is not None:
+                return why, True
+        unequal = self._unequal(remote)
+        if unequal and local_tokens > 0:
+            # Between unequal layouts the engine converts whole prompts from token 0 (it
+            # skips no `have` blocks when it converts), so loading would rewrite the
+            # blocks this engine's prefix cache supplied. Those are shared with other
+            # running requests and stay cached under their hashes: rewriting them with a
+            # transfer's values (a float rounding apart from theirs at best, another
+            # prompt's KV if the params are wrong, half-written if the pull fails) could
+            # change other requests' tokens and poison the cache. Computing the uncached
+            # rest here costs compute, never correctness.
+            return (f"this engine's prefix cache holds {local_tokens} of the prompt's tokens, "
+                    f"and between unequal layouts ({unequal}) kvstream moves whole prompts: "
+                    "the load would rewrite blocks other requests share"), False
+        return None
+
+    def _decline(self, rid: str, remote: Remote, why: str, deployment: bool) -> None:
+        if rid in self._declined:
+            return
+        self._declined[rid] = why
+        # What every request from such a prefill engine meets is the deployment's problem:
+        # one WARNING per kind, then INFO per request (each still says why).
+        key = f"{remote.block_size} {remote.tp_size} {remote.device}"
+        level = logging.WARNING if deployment and key not in self._warned else logging.INFO
+        if deployment:
+            self._warned.add(key)
+        log.log(level, "kvstream load %s from %s (request %s) declined: %s; vLLM computes the "
+                "prompt here", rid, remote.instance, remote.request_id, why)
+        self._events("load_declined", request_id=rid, src=remote.instance,
+                     remote_request_id=remote.request_id, reason=why)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or self._remote(params) is None:
+        if not params or not params.get("do_remote_prefill"):
             return 0, False
+        remote = self._remote(params)
+        if remote is None:
+            return 0, False
+        refused = self._refusal(remote, num_computed_tokens)
+        if refused is not None:  # update_state_after_alloc releases the prefill's hold
+            self._decline(request.request_id, remote, *refused)
+            return 0, False
+        self._declined.pop(request.request_id, None)  # asked again, now without local hits
         # The whole prompt: vLLM itself recomputes the last token after the load.
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -62,8 +146,8 @@ class SchedulerSide(Side):
             # Keep the prefill's hold alive while this request waits for blocks.
             self._kept[request.request_id] = remote
             self._meta.keep[request.request_id] = remote
-            self._events("keep_scheduled", request_id=request.request_id, src=remote[0],
-                         remote_request_id=remote[1])
+            self._events("keep_scheduled", request_id=request.request_id, src=remote.instance,
+                         remote_request_id=remote.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -79,25 +163,46 @@ class SchedulerSide(Side):
         params["do_remote_prefill"] = False  # one transfer per request, even if called twice
         params["_remote_blocks_processed"] = True
         self._kept.pop(rid, None)
+        declined = self._declined.pop(rid, None)
         remote = self._remote(params)
         if remote is None:
             return
-        if num_external_tokens <= 0:  # the local prefix cache had everything
-            self._meta.release.append((*remote[:2], "the decode side had the prompt cached",
-                                       remote[2]))
+        if num_external_tokens <= 0:  # the local prefix cache had everything, or declined
+            self._meta.release.append(
+                (remote, f"the decode side declined the load: {declined}" if declined
+                 else "the decode side had the prompt cached"))
             return
         prompt = list(request.prompt_token_ids or ())
+        # Counted in this engine's blocks; the prefill offered ceil(len / its block size)
+        # of its own, and both hold len(prompt) tokens: the engine checks that they agree.
         nblocks = math.ceil(len(prompt) / self._block_size)
         group = blocks.blocks[0] if blocks.blocks else []
         local = sum(1 for b in group[:nblocks] if b.block_hash is not None and not b.is_null)
         ids = flat(blocks.get_block_ids())[:nblocks]
+        # The tokens the blocks are to hold: the prompt's across block sizes; whole blocks
+        # when they agree (only the heads differ, TP): then every block's bytes of a head
+        # land as they lay, whatever a backend keeps inside a block (vLLM's CPU attention
+        # keeps K transposed), and the slots past the prompt are vLLM's to overwrite.
+        same_blocks = remote.block_size == self._block_size
+        tokens = nblocks * self._block_size if same_blocks else len(prompt)
         have = block_hashes(prompt, self._block_size)[:local]
         ours = params.get("kvstream")
         codec = str(ours.get("codec") or self._codec) if isinstance(ours, dict) else self._codec
-        self._meta.pull[rid] = (remote[0], remote[1], ids, have, local, codec, remote[2])
+        unequal = self._unequal(remote)
+        if unequal and codec != "none":
+            # The engine converts layouts in the source's dtype only (no codec with a
+            # reshape): verbatim beats recomputing.
+            if f"codec {unequal}" not in self._warned:
+                self._warned.add(f"codec {unequal}")
+                log.warning("codec %r is not applied between unequal layouts (%s): loading "
+                            "the KV verbatim", codec, unequal)
+            codec = "none"
+        self._meta.pull[rid] = PullJob(remote=remote, blocks=ids, have=have, local=local,
+                                       codec=codec, tokens=tokens)
         self._loading[rid] = remote
-        self._events("pull_scheduled", request_id=rid, src=remote[0], remote_request_id=remote[1],
-                     external_tokens=num_external_tokens, local_blocks=local, blocks=len(ids))
+        self._events("pull_scheduled", request_id=rid, src=remote.instance,
+                     remote_request_id=remote.request_id, external_tokens=num_external_tokens,
+                     local_blocks=local, blocks=len(ids), tokens=tokens, unequal=unequal)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStreamMetadata:
         scheduled = scheduler_output.num_scheduled_tokens or {}
@@ -139,14 +244,13 @@ class SchedulerSide(Side):
         params = request.kv_transfer_params or {}
         self._producing.pop(rid, None)
         # decode side
+        self._declined.pop(rid, None)
         kept = self._kept.pop(rid, None)
         if kept is not None:  # finished (aborted) before its blocks were allocated
-            self._meta.release.append((*kept[:2], "the decode request ended before loading",
-                                       kept[2]))
+            self._meta.release.append((kept, "the decode request ended before loading"))
             params["do_remote_prefill"] = False
         elif params.get("do_remote_prefill") and (remote := self._remote(params)):
-            self._meta.release.append((*remote[:2], "the decode request ended before loading",
-                                       remote[2]))
+            self._meta.release.append((remote, "the decode request ended before loading"))
             params["do_remote_prefill"] = False
         if rid in self._loading:  # vLLM keeps the blocks until finished_recving
             self._meta.abort_pull.append(rid)
@@ -174,6 +278,7 @@ class SchedulerSide(Side):
             "transfer_mode": "pull",
             "kvstream": {"instance": self._instance, "namespace": self._namespace,
                          "block_size": self._block_size, "blocks": len(blocks),
+                         "device": self._device,
                          "secret": self._offered.get(rid, "")},
         }
         self._events("offer_returned", request_id=rid, blocks=len(blocks))

@@ -1,88 +1,52 @@
 """The worker role of ``KVStreamConnector`` (each vLLM worker process): registers the KV
 tensors with an in-process Agent (on its own thread) and carries out the scheduler's
 decisions: offers after the step's forward, keeps, pulls, releases, aborts. Results flow
-back to vLLM through ``get_transfer_results`` exactly once per request."""
+back to vLLM through ``get_transfer_results`` exactly once per request.
+
+Each rank is an instance of its own (``<instance>-tp<r>`` under TP) announcing its TP
+share (``AgentConfig.tp``: rank, degree, the model's KV heads); a decode rank keeps,
+pulls from or releases the prefill ranks ``ranks.py`` assigns it, one source or a gather
+of several."""
 
 from __future__ import annotations
 
 import logging
 import queue
-import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvstream._exceptions import AdapterError, ConfigError, KVStreamError
-from kvstream.adapters.vllm.common import KVStreamMetadata, Side, log
+from kvstream._exceptions import AdapterError, ConfigError, KVStreamError, LayoutError
+from kvstream.adapters.vllm import ranks
+from kvstream.adapters.vllm.caches import layout_of_vllm_caches
+from kvstream.adapters.vllm.common import (
+    CPU_CONVERTS,
+    CPU_REFUSAL,
+    KVStreamMetadata,
+    PullJob,
+    Remote,
+    Side,
+    log,
+)
 from kvstream.config import AgentConfig
 from kvstream.control.auth import NatsAuth
+from kvstream.engine.rules import needs_reshape
 from kvstream.layout import KVLayout
 from kvstream.tools import otel
+from kvstream.transfer.gathered import GatherHandle
+from kvstream.transfer.plan import TpInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvstream.adapters.runtime import AgentRuntime
+    from kvstream.engine.agent import Agent
     from kvstream.transfer import TransferResult
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
-__all__ = ["WorkerSide", "layout_of_vllm_caches"]
-
-
-def layout_of_vllm_caches(kv_caches: dict[str, torch.Tensor], *,
-                          arrangement: str | None = None) -> tuple[KVLayout, list[torch.Tensor]]:
-    """The kvstream layout of vLLM's per-layer KV tensors, and the tensors in layer order.
-
-    vLLM 0.32 hands the CPU backend ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``
-    per layer (per block and head: block_size K rows, then block_size V rows); FlashAttention
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Layers sharing one tensor (KV
-    sharing) are registered once. Anything else needs an explicit ``arrangement``.
-    """
-    if not kv_caches:
-        raise AdapterError("vLLM registered no KV cache tensors")
-
-    def order(name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,)
-
-    layers: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for name in sorted(kv_caches, key=lambda n: (order(n), n)):
-        t = kv_caches[name]
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        if not t.is_contiguous():
-            raise AdapterError(f"KV cache of {name} is not contiguous (shape {tuple(t.shape)}, "
-                               f"stride {t.stride()}): use a layer-outermost KV layout")
-        layers.append(t)
-    first = layers[0]
-    shape = tuple(first.shape)
-    if any(tuple(t.shape) != shape or t.dtype != first.dtype for t in layers):
-        raise AdapterError("vLLM's KV layers differ in shape or dtype (hybrid models are not "
-                           "supported yet)")
-    dtype = str(first.dtype).removeprefix("torch.")
-    if arrangement is None:
-        if len(shape) == 4 and first.device.type == "cpu":
-            arrangement = "cpu_hnbc"
-        elif len(shape) == 5 and shape[0] == 2:
-            arrangement = "flash_nhd"
-        else:
-            raise AdapterError(f"unknown vLLM KV layout {shape} on {first.device}; set "
-                               "kv_connector_extra_config.arrangement")
-    if arrangement == "cpu_hnbc":
-        _, h, bs, d2 = shape
-        d = d2 // 2
-    elif arrangement == "flash_nhd":
-        _, _, bs, h, d = shape
-    elif arrangement == "flash_hnd":
-        _, _, h, bs, d = shape
-    else:
-        raise AdapterError(f"arrangement {arrangement!r} is not supported for vLLM")
-    layout = KVLayout(num_layers=len(layers), num_kv_heads=h, head_dim=d, block_size=bs,
-                      dtype=dtype, arrangement=arrangement)
-    return layout, layers
+__all__ = ["WorkerSide"]
 
 
 class WorkerSide(Side):
@@ -93,14 +57,32 @@ class WorkerSide(Side):
         self._sent: set[str] = set()          # offers ended, waiting for vLLM to finish the request
         self._finished: set[str] = set()      # requests vLLM said finished
         self._load_errors: set[int] = set()
-        self._pulls: dict[str, ReceiveHandle | None] = {}  # on the agent's loop only
+        self._pulls: dict[str, ReceiveHandle | GatherHandle | None] = {}  # agent's loop only
         self._cancelled: set[str] = set()
         self._offers: dict[str, SendHandle] = {}
         self._otel_close: Callable[[], None] | None = None
+        self._tp_rank = 0
         if self._tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._instance = f"{self._instance}-tp{get_tensor_model_parallel_rank()}"
+            self._tp_rank = get_tensor_model_parallel_rank()
+        self._instance = ranks.instance(self._instance, self._tp_rank, self._tp_size)
+        self._tp = TpInfo(rank=self._tp_rank, size=self._tp_size)
+        self._layout: KVLayout | None = None
+
+    def _tp_share(self, layout: KVLayout) -> TpInfo:
+        """This rank's TP share as the engine announces it (which model heads it holds)."""
+        tp = TpInfo(rank=self._tp_rank, size=self._tp_size, total_kv_heads=self._total_kv_heads)
+        try:
+            tp.shard(layout)
+        except LayoutError as exc:
+            # Announced without the head count, rank r of TP n holds heads [r*h, (r+1)*h):
+            # right unless heads are replicated; pairing equal TP ranks works either way.
+            log.warning("rank %d of TP %d registers %s, which does not fit the model's %d KV "
+                        "heads (%s): announcing TP without the head count", self._tp_rank,
+                        self._tp_size, layout.describe(), self._total_kv_heads, exc)
+            return TpInfo(rank=self._tp_rank, size=self._tp_size)
+        return tp
 
     def _agent_config(self) -> AgentConfig:
         ex = self._extra
@@ -116,7 +98,8 @@ class WorkerSide(Side):
         try:
             return AgentConfig(instance_id=self._instance, role=role,  # type: ignore[arg-type]
                                namespace=self._namespace, nats_url=ex.get("nats_url"),
-                               nats_auth=NatsAuth.from_env(auth), codec=self._codec, **kw)
+                               nats_auth=NatsAuth.from_env(auth), codec=self._codec,
+                               tp=self._tp, **kw)
         except TypeError as exc:
             raise ConfigError(f"bad kv_connector_extra_config: {exc}") from exc
 
@@ -131,9 +114,11 @@ class WorkerSide(Side):
             # Spans of this worker's transfers: a JSON-lines file (``kvstream trace`` draws
             # it) and/or OTLP per the OTEL_* variables; the peer's spans join by traceparent.
             self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
+        self._layout, self._tp = layout, self._tp_share(layout)
         self._runtime = AgentRuntime(self._agent_config(), layout, layers)
         self._events("registered", instance=self._instance, layout=layout.describe(),
-                     fingerprint=layout.fingerprint)
+                     fingerprint=layout.fingerprint, tp_rank=self._tp.rank,
+                     tp_size=self._tp.size, total_kv_heads=self._tp.total_kv_heads)
         log.info("kvstream agent %s registered %s", self._instance, layout.describe())
 
     def _rt(self) -> AgentRuntime:
@@ -149,21 +134,53 @@ class WorkerSide(Side):
             for rid, job in meta.pull.items():
                 log.warning("kvstream load %s failed: no KV caches registered with the "
                             "connector; vLLM %s", rid, self._on_load_failure())
-                self._results.put(("recv", rid, False, job[2][job[4]:]))
+                self._results.put(("recv", rid, False, job.blocks[job.local:]))
             return
-        for src, rrid, secret in meta.keep.values():
-            rt.spawn(self._keep, self._src(src), rrid, secret)
-        for src, rrid, reason, secret in meta.release:
-            rt.spawn(self._release, self._src(src), rrid, reason, secret)
+        for remote in meta.keep.values():
+            for src in self._owned(remote):
+                rt.spawn(self._keep, src, remote.request_id, remote.secret)
+        for remote, reason in meta.release:
+            for src in self._owned(remote):
+                rt.spawn(self._release, src, remote.request_id, reason, remote.secret)
         for rid, job in meta.pull.items():
             self._pulls[rid] = None
-            rt.spawn(self._pull, rid, self._src(job[0]), *job[1:])
+            rt.spawn(self._pull, rid, job)
         for rid in meta.abort_pull:
             rt.spawn(self._abort_pull, rid)
 
-    def _src(self, src: str) -> str:
-        """D rank r pulls from P rank r (equal tensor parallelism on both sides)."""
-        return f"{src}-tp{self._instance.rsplit('-tp', 1)[1]}" if self._tp_size > 1 else src
+    def _owned(self, remote: Remote) -> list[str]:
+        """The prefill ranks whose holds this rank keeps, pulls or releases."""
+        return [ranks.instance(remote.instance, p, remote.tp_size)
+                for p in ranks.owned(self._tp_rank, remote.tp_size, self._tp_size)]
+
+    def _sources(self, remote: Remote) -> list[str]:
+        """The prefill ranks holding this rank's KV heads (the scheduler checked they can)."""
+        return [ranks.instance(remote.instance, p, remote.tp_size)
+                for p in ranks.sources(self._tp_rank, remote.tp_size, self._tp_size)]
+
+    def _refusal(self, agent: Agent, job: PullJob, sources: list[str]) -> str | None:
+        """Why this load must not run after all, from what the sources announce (their
+        layouts; the params told the scheduler only block size, TP degree and device)."""
+        mine = self._layout
+        announced = {a.instance_id: a for a in agent.peers()}
+        reshaped = len(sources) > 1  # a gather converts
+        for src in sources:
+            ann = announced.get(src)
+            if ann is None or ann.layout is None or mine is None:
+                continue  # the engine finds out (and refuses) itself
+            theirs = ann.layout
+            if theirs.block_size != mine.block_size and \
+                    "cpu_hnbc" in (theirs.arrangement, mine.arrangement) and \
+                    not {theirs.dtype, mine.dtype} <= CPU_CONVERTS:
+                return (f"{src} registers block size {theirs.block_size}, this rank "
+                        f"{mine.block_size}: {CPU_REFUSAL}")
+            reshaped = reshaped or needs_reshape(theirs, ann.tp or TpInfo(), mine, self._tp)
+        if reshaped and job.local:
+            # The engine would convert the whole prompt, into the shared blocks this
+            # engine's prefix cache supplied too (scheduler.py, _refusal, says why not).
+            return (f"{','.join(sources)} holds another layout and {job.local} blocks here "
+                    "came from the prefix cache: the load would rewrite them")
+        return None
 
     def wait_for_save(self, meta: KVStreamMetadata | None) -> None:
         if meta is None or not (meta.offer or meta.abort_offer):
@@ -227,19 +244,37 @@ class WorkerSide(Side):
             log.warning("releasing %s at %s failed: %s", rrid, src, exc)
         self._events("released", src=src, remote_request_id=rrid, reason=reason)
 
-    async def _pull(self, rid: str, src: str, rrid: str, blocks: list[int], have: list[int],
-                    local: int, codec: str, secret: str) -> None:
+    async def _pull(self, rid: str, job: PullJob) -> None:
         agent = self._runtime.agent if self._runtime else None
+        remote, blocks, local = job.remote, job.blocks, job.local
+        rrid, sources = remote.request_id, self._sources(remote)
+        src = ",".join(sources)
         res: TransferResult | None = None
         why = ""
         try:
             if agent is None:
                 raise AdapterError("agent closed")
-            handle = await agent.pull(rrid, src, blocks, mode="eager", have=have, codec=codec,
-                                      secret=secret)
+            refused = self._refusal(agent, job, sources)
+            if refused is not None:  # a failed load: vLLM computes from the first uncached block
+                for held in self._owned(remote):
+                    await self._release(held, rrid, f"the decode side declined the load: "
+                                        f"{refused}", remote.secret)
+                raise AdapterError(refused)
+            # ``tokens``: how many the blocks are to hold, for a source of another block
+            # size (ignored between equal layouts). Several sources: one gather of heads.
+            handle = await agent.pull(rrid, sources[0] if len(sources) == 1 else sources,
+                                      blocks, mode="eager", have=job.have,
+                                      codec=job.codec if len(sources) == 1 else "none",
+                                      secret=remote.secret, tokens=job.tokens)
             self._pulls[rid] = handle
             if rid in self._cancelled:
                 await handle.abort("the decode request ended")
+            if isinstance(handle, GatherHandle):  # replicas the plan did not use: free now
+                used = {part.transfer.peer for part in handle.parts}
+                for held in self._owned(remote):
+                    if held not in used:
+                        await self._release(held, rrid, "its heads came from another rank",
+                                            remote.secret)
             res = await handle.result()
             why = res.reason
         except KVStreamError as exc:
@@ -264,7 +299,8 @@ class WorkerSide(Side):
         self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok,
                      reason=why, bytes=res.bytes if res else 0,
                      skipped=res.bytes_skipped if res else 0, codec=res.codec if res else "",
-                     seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local)
+                     seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local,
+                     sources=sources, tokens=job.tokens)
         self._results.put(("recv", rid, ok, blocks[local:]))
 
     def _on_load_failure(self) -> str:
