@@ -50,8 +50,8 @@ ARRANGEMENTS: Final[dict[str, str]] = {
     "flash_nhd": "[2, nb, bs, h, d]  (vLLM FlashAttention, NHD)",
     "flash_hnd": "[2, nb, h, bs, d]  (vLLM FlashAttention, HND)",
     "blocks_first_nhd": "[nb, 2, bs, h, d]  (FlashInfer / SGLang-style paged)",
-    "cpu_hnbc": "[nb, h, bs, 2*d]  (vLLM CPU attention backend; per block and head, bs K rows "
-                "then bs V rows)",
+    "cpu_hnbc": "[nb, h, bs, 2*d]  (vLLM CPU attention backend; per block and head, K as "
+                "[d, bs], then V as [bs, d])",
     "mla": "[nb, bs, d]  (MLA compressed latent; h must be 1, no separate V)",
     "split_nhd": "K and V in separate tensors, each [nb*bs, h, d], registered K of every "
                  "layer first, then V (SGLang's MHA token-to-KV pool: a page is a block)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,12 @@ class RegisteredKV:
                 raise LayoutError(f"layer {i}: tensor is not contiguous")
             if t.device != first.device:
                 raise LayoutError(f"layer {i}: on {t.device}, layer 0 on {first.device}")
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                       for i, t in enumerate(layers))
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:  # one received block would land in two places
+                raise LayoutError(f"tensors {min(a, b)} and {max(a, b)} share memory: every "
+                                  "layer (a split layout: every K and V) needs its own")
         self.layout = layout
         self.cache_scales = _check_scales(layout, cache_scales)
         self.layers = list(layers)

@@ -171,9 +171,10 @@ class DataPaths:
         take ``cuda_ipc`` between them. Release the choice unless a stream took its source
         (``Choice.source``)."""
         same = self.same_host(peer_host)
+        mappable = same and not mem.layout.split  # a split pool's layer is two regions
         kv: Mapped | None = None
         maps: MapCache[Any] = self.maps
-        ipc = same and codec == "none" and mem.device.type == "cuda" and \
+        ipc = mappable and codec == "none" and mem.device.type == "cuda" and \
             "cuda_ipc" in self.config.paths
         if ipc and peer_device is not None and self.ipc.announced(peer_device, peer_offer) \
                 and self.ipc.may_open(peer, peer_offer):
@@ -182,7 +183,7 @@ class DataPaths:
                 maps = self.ipc.maps
             except KVStreamError as exc:
                 log.info("%s's device KV is not opened here (%s)", peer, exc)
-        if same and codec == "none" and peer_shared is not None and "shm" in self.config.paths \
+        if mappable and codec == "none" and peer_shared is not None and "shm" in self.config.paths \
                 and mem.device.type == "cpu":
             context = shm.proof_context(peer, self.config.instance_id, transfer_id)
             try:

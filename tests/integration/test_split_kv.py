@@ -125,3 +125,14 @@ async def test_split_pool_to_and_from_vllm_layouts(nats_server, direction):
             assert not _wire(d, layer, dst, full)[:, tokens:].any()
         await settle(p, d)
         assert_at_rest(p, d)
+
+
+def test_tensors_that_share_memory_are_refused():
+    lay = KVLayout(**BASE, block_size=16, arrangement="split_nhd")
+    k_then_v = _pool(lay, seed=0)
+    with pytest.raises(LayoutError, match="share memory"):
+        RegisteredKV(lay, [*k_then_v[:3], *k_then_v[:3]])  # K registered as V too
+    nhd = KVLayout(**BASE, block_size=16)
+    one = torch.zeros(nhd.tensor_shape(4), dtype=torch.float16)
+    with pytest.raises(LayoutError, match="tensors 0 and 1 share memory"):
+        RegisteredKV(nhd, [one, one, torch.zeros_like(one)])

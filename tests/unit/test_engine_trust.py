@@ -122,8 +122,10 @@ async def test_an_announcement_counts_only_on_the_announcers_own_registry_subjec
 
 async def test_aborts_without_the_secret_answer_at_once_and_starve_nobody():
     """Aborts of a served offer by parties who may not end it are refused at once (they
-    used to wait for the stream to go quiet, holding the agent's in-flight room)."""
-    async with _pair() as (p, d, _fabric):
+    used to wait for the stream to go quiet, holding the agent's in-flight room). The
+    source's request_timeout_s is 30 s, the wait a regression would bring back; the lazy
+    stream never goes quiet before the fetch below; 10 s leaves a loaded machine room."""
+    async with _pair(p_kw={"request_timeout_s": 30.0}) as (p, d, _fabric):
         hub = p._core.control.hub  # type: ignore[attr-defined]
         offer = p.offer("r", [1, 2, 3, 4])
         offer.all_ready()
@@ -136,9 +138,9 @@ async def test_aborts_without_the_secret_answer_at_once_and_starve_nobody():
             buses.append(bus)
 
         async def abort(bus, i: int) -> None:
-            with anyio.fail_after(0.9):  # under request_timeout_s: no wait for quiescence
+            with anyio.fail_after(10):  # under the source's 30 s: no wait for quiescence
                 reply = await bus.request(Subjects("default").control("p"), m.Abort(
-                    transfer_id="", request_id="r", reason="x", by=f"evil{i}"), timeout=1.0)
+                    transfer_id="", request_id="r", reason="x", by=f"evil{i}"), timeout=20.0)
             assert isinstance(reply, m.AbortAck)
 
         offer2 = p.offer("r2", [9])

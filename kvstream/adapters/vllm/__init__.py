@@ -23,8 +23,8 @@ through the pickled ``KVStreamMetadata`` of each step. The flow (docs/design/vll
   one gather; ``ranks.py``) and the engine converts the blocks (``tokens=``). Declined,
   visibly, with the prefill's hold released and the prompt computed here: decode TP above
   prefill TP (an offer serves one puller), a decode-side prefix hit between unequal
-  layouts (the engine would rewrite shared cached blocks), another block size on vLLM's
-  CPU attention in bfloat16 (its block layout there was not probed: ``common.CPU_CONVERTS``).
+  layouts (the engine would rewrite shared cached blocks), a conversion of vLLM CPU
+  attention's blocks in bfloat16 (their layout there was not probed: ``common.CPU_CONVERTS``).
 
 The scheduler role opens no connection; the worker role starts one ``Agent`` per worker
 process on first ``register_kv_caches``. ``kv_transfer_params`` use NIXL's keys, so proxies

@@ -85,7 +85,7 @@ class KVStreamMetadata(KVConnectorMetadata):
 CPU_CONVERTS: Final = frozenset({"float32", "float16"})
 CPU_REFUSAL: Final = ("vLLM's CPU attention may pack a bfloat16 block otherwise than the "
                       "float32/float16 layout kvstream reads (probed on vLLM 0.32's x86 "
-                      "kernels): another block size would scramble it")
+                      "kernels): converting it would scramble it")
 
 
 class _ToVllmLogger(logging.Handler):

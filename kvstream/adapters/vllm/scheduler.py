@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["SchedulerSide"]
+__all__ = ["MAX_TP", "SchedulerSide"]
+
+MAX_TP = 1024  # prefill TP degrees a request's params may name
 
 
 class SchedulerSide(Side):
@@ -62,8 +64,10 @@ class SchedulerSide(Side):
         # Params without them (NIXL-shaped, from elsewhere) mean an engine like this one.
         block_size = ours.get("block_size", self._block_size)
         tp_size = params.get("tp_size", self._tp_size)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                   for v in (block_size, tp_size)):
+        # Bounded: a client may write kv_transfer_params, and the rank arithmetic, the keeps
+        # and the releases all count prefill ranks.
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limit
+                   for v, limit in ((block_size, 1 << 16), (tp_size, MAX_TP))):
             log.warning("kv_transfer_params with block_size %r and tp_size %r: recomputing "
                         "instead", block_size, tp_size)
             return None

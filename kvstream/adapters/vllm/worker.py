@@ -169,8 +169,11 @@ class WorkerSide(Side):
             if ann is None or ann.layout is None or mine is None:
                 continue  # the engine finds out (and refuses) itself
             theirs = ann.layout
-            if theirs.block_size != mine.block_size and \
-                    "cpu_hnbc" in (theirs.arrangement, mine.arrangement) and \
+            # Only whole head regions of equal blocks move as they lie; anything converted
+            # is read through the layout probed for these dtypes.
+            as_they_lie = theirs.arrangement == mine.arrangement == "cpu_hnbc" and \
+                theirs.block_size == mine.block_size
+            if "cpu_hnbc" in (theirs.arrangement, mine.arrangement) and not as_they_lie and \
                     not {theirs.dtype, mine.dtype} <= CPU_CONVERTS:
                 return (f"{src} registers block size {theirs.block_size}, this rank "
                         f"{mine.block_size}: {CPU_REFUSAL}")
@@ -250,12 +253,13 @@ class WorkerSide(Side):
         rrid, sources = remote.request_id, self._sources(remote)
         src = ",".join(sources)
         res: TransferResult | None = None
-        why = ""
+        why, let_go = "", False
         try:
             if agent is None:
                 raise AdapterError("agent closed")
             refused = self._refusal(agent, job, sources)
             if refused is not None:  # a failed load: vLLM computes from the first uncached block
+                let_go = True
                 for held in self._owned(remote):
                     await self._release(held, rrid, f"the decode side declined the load: "
                                         f"{refused}", remote.secret)
@@ -277,13 +281,19 @@ class WorkerSide(Side):
                                             remote.secret)
             res = await handle.result()
             why = res.reason
-        except KVStreamError as exc:
+        except Exception as exc:  # vLLM must hear of every load, whatever failed
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pulls.pop(rid, None)
             cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
         ok = res is not None and res.ok
+        if not ok and agent is not None and not let_go and not cancelled:
+            # A pull that failed before its source answered leaves the kept leases
+            # renewed; a gather's other ranks and replicas too: let every hold go (a hold
+            # a transfer took over is ended already, the release is then a no-op).
+            for held in self._owned(remote):
+                await self._release(held, rrid, f"the load failed: {why}"[:200], remote.secret)
         if cancelled:
             log.info("kvstream load %s aborted: the decode request ended (from %s, request %s)",
                      rid, src, rrid)
