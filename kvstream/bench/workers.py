@@ -80,6 +80,7 @@ async def _commands(cmd_q: Any) -> AsyncIterator[Cmd]:
 
 def _sender_layers(spec: BenchSpec, mem: Any, src_ids: list[int]) -> Any:
     """Yield (layer, staging view of the sender's src blocks), regenerated here."""
+    import msgspec
     import torch
 
     from kvstream.bench.synthetic import fill_layer
@@ -87,12 +88,12 @@ def _sender_layers(spec: BenchSpec, mem: Any, src_ids: list[int]) -> Any:
 
     src_map = mem.block_map(src_ids)
     expect_layer = torch.empty_like(mem.layers[0])
-    # The sender's cache has the same shape; one scratch tensor stands for each of its layers.
-    ref = RegisteredKV(spec.layout, [expect_layer] * spec.layout.num_layers)
+    # The sender's cache has the same shape; one scratch layer stands for each of its layers.
+    ref = RegisteredKV(msgspec.structs.replace(spec.layout, num_layers=1), [expect_layer])
     want = torch.empty(mem.planes * mem.plane_bytes(len(src_ids)), dtype=torch.uint8)
     for layer in range(spec.layout.num_layers):
         fill_layer(expect_layer, layer, spec.data, spec.seed)
-        ref.gather(layer, src_map, ref.staging_view(want, len(src_ids)))
+        ref.gather(0, src_map, ref.staging_view(want, len(src_ids)))
         yield layer, ref.staging_view(want, len(src_ids))
 
 
