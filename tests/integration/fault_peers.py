@@ -88,7 +88,8 @@ def _child(spec: dict[str, Any]) -> None:
                 rx = handles[cmd["rid"]] = agent.expect(cmd["rid"], cmd["blocks"])
                 tg.start_soon(watch, cmd["rid"], rx)
             elif op == "push":
-                tx = handles[cmd["rid"]] = await agent.push(cmd["rid"], cmd["dst"], cmd["blocks"])
+                tx = handles[cmd["rid"]] = await agent.push(cmd["rid"], cmd["dst"], cmd["blocks"],
+                                                            timeout=cmd.get("timeout"))
                 for layer in range(cmd.get("ready", 0)):
                     tx.layer_ready(layer)
                 tg.start_soon(watch, cmd["rid"], tx)

@@ -502,11 +502,13 @@ async def both_see_each_other(p: AgentProc, d: AgentProc, timeout: float) -> flo
     return time.monotonic() - t
 
 
-async def cross_push(p: AgentProc, d: AgentProc, rid: str) -> None:
+async def cross_push(p: AgentProc, d: AgentProc, rid: str, timeout: float | None = None
+                     ) -> None:
     await d.call("expect", rid=rid, blocks=DST)
-    await p.call("push", rid=rid, dst=d.instance_id, blocks=SRC, ready=LAY.num_layers)
+    await p.call("push", rid=rid, dst=d.instance_id, blocks=SRC, ready=LAY.num_layers,
+                 timeout=timeout)
     for side in (p, d):
-        assert (await side.event("end", rid, timeout=20))["status"] == "completed"
+        assert (await side.event("end", rid, timeout=40))["status"] == "completed"
     assert (await d.call("verify", src=SRC, dst=DST))["ok"]
 
 
@@ -550,7 +552,9 @@ async def test_network_partition(netns, tmp_path, cut):
                 recovered = await both_see_each_other(
                     p, d, timeout=outage + RTO_MIN + HB + SLACK + 5)
                 d_stats = (await d.call("rest", wait=2))["stats"]
-                await cross_push(p, d, "f6-after")
+                # UCX over TCP reconnects after the cut in its own time, which nothing
+                # bounds: this push gets 20 s, not the 3 s deadline of the one cut.
+                await cross_push(p, d, "f6-after", timeout=20.0)
                 p_stats = (await p.call("rest", wait=1))["stats"]
                 late = pe or await p.maybe_event("end", "f6", timeout=0.1)
                 report(f"partition-{cut}", detected, decode=d_stats, prefill=p_stats)
