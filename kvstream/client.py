@@ -202,19 +202,20 @@ class _LocalClient:
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None, secret: str | None = None) -> Any:
+                    lease_s: float | None = None, secret: str | None = None,
+                    readers: int | None = None) -> Any:
         return self.agent.offer(request_id, src_blocks, block_hashes=block_hashes, mode=mode,
-                                lease_s=lease_s, secret=secret)
+                                lease_s=lease_s, secret=secret, readers=readers)
 
     async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
                    trace_context: Context | None = None, secret: str | Sequence[str] = "",
-                   tokens: int | None = None) -> Any:
+                   tokens: int | None = None, readers: int = 1) -> Any:
         return await self.agent.pull(request_id, src, dst_blocks, mode=mode, have=have,
                                      lookahead=lookahead, codec=codec, timeout=timeout,
                                      trace_context=trace_context, secret=secret,
-                                     tokens=tokens)
+                                     tokens=tokens, readers=readers)
 
     async def statistics(self) -> dict[str, int]:
         return self.agent.statistics().counts()
@@ -412,7 +413,8 @@ class _SidecarClient:
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None, secret: str | None = None) -> RemoteSend:
+                    lease_s: float | None = None, secret: str | None = None,
+                    readers: int | None = None) -> RemoteSend:
         """Hold blocks for a destination's ``pull`` (see ``Agent.offer``); the handle's
         ``secret`` is what the destination's pull must present."""
         def sent(ok: lp.Ok) -> RemoteSend:
@@ -423,13 +425,13 @@ class _SidecarClient:
         return await self.request(
             lp.Offer(request_id=request_id, src_blocks=list(src_blocks),
                      block_hashes=list(block_hashes or []), mode=mode,  # type: ignore[arg-type]
-                     lease_s=lease_s, secret=secret), sent)
+                     lease_s=lease_s, secret=secret, readers=readers), sent)
 
     async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
                    trace_context: Context | None = None, secret: str | Sequence[str] = "",
-                   tokens: int | None = None) -> RemoteReceive:
+                   tokens: int | None = None, readers: int = 1) -> RemoteReceive:
         """Fetch an offered request's KV (see ``Agent.pull``)."""
         return await self.request(
             lp.Pull(request_id=request_id, src=src if isinstance(src, str) else list(src),
@@ -437,7 +439,8 @@ class _SidecarClient:
                     mode=mode, have=list(have), lookahead=lookahead,  # type: ignore[arg-type]
                     codec=codec, traceparent=telemetry.current_traceparent(trace_context),
                     timeout=check_timeout(timeout),
-                    secret=secret if isinstance(secret, str) else list(secret), tokens=tokens),
+                    secret=secret if isinstance(secret, str) else list(secret), tokens=tokens,
+                    readers=readers),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id,
                                      lazy=mode == "lazy", lookahead=lookahead))
 

@@ -45,19 +45,22 @@ class TransferClient(Protocol):
 
     async def offer(self, request_id: str, src_blocks: Sequence[int], *,
                     block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-                    lease_s: float | None = None, secret: str | None = None) -> Any:
+                    lease_s: float | None = None, secret: str | None = None,
+                    readers: int | None = None) -> Any:
         """Hold ``src_blocks`` under a lease for a destination's pull; a send handle. Only
-        a pull presenting the handle's ``secret`` (``secret``, or one made here) gets them."""
+        a pull presenting the handle's ``secret`` (``secret``, or one made here) gets them.
+        ``readers``: how many destinations pull it, each once (None: the first pull says)."""
 
     async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Sequence[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
                    trace_context: Context | None = None, secret: str | Sequence[str] = "",
-                   tokens: int | None = None) -> Any:
+                   tokens: int | None = None, readers: int = 1) -> Any:
         """Fetch what ``src`` offered for ``request_id`` into ``dst_blocks``; ``secret`` is
         the offer's, as the source handed it out; ``tokens`` as for ``push``. A list of
         sources: gather this rank's KV heads from the ranks holding them, as one request
-        (complete when every part landed, failed whole if one fails)."""
+        (complete when every part landed, failed whole if one fails). ``readers``: the
+        destinations sharing the one offer (decode TP above prefill TP), all saying so."""
 
     async def statistics(self) -> dict[str, int]:
         """The agent's counters (``AgentStatistics``' integer fields)."""

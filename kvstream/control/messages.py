@@ -63,6 +63,8 @@ Role = Literal["prefill", "decode", "both"]
 Mode = Literal["pipelined", "eager"]
 PullMode = Literal["eager", "lazy"]
 Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]
+MAX_READERS: Final = 1024  # destinations one offer is pulled by (TP degrees, at most)
+
 RejectCode = Literal[
     "malformed", "incompatible", "invalid_blocks", "no_reservation", "busy", "duplicate",
     "unknown_transfer", "unknown_request", "unauthenticated", "forbidden",
@@ -232,6 +234,9 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     reshape: Reshape | None = None
     dst_layout: KVLayout | None = None
     dst_tp: TpInfo | None = None
+    # How many destinations pull this one offer, each once (decode TP above prefill TP:
+    # the decode ranks sharing a prefill rank); every pull of it must say the same.
+    readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):

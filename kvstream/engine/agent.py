@@ -180,20 +180,23 @@ class Agent:
 
     def offer(self, request_id: str, src_blocks: Sequence[int], *,
               block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-              lease_s: float | None = None, secret: str | None = None) -> SendHandle:
+              lease_s: float | None = None, secret: str | None = None,
+              readers: int | None = None) -> SendHandle:
         return self._offers.offer(request_id, src_blocks, block_hashes=block_hashes,
-                                  mode=mode, lease_s=lease_s, secret=secret)
+                                  mode=mode, lease_s=lease_s, secret=secret, readers=readers)
 
     async def pull(self, request_id: str, src: str | Sequence[str], dst_blocks: Sequence[int],
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    codec: str | None = None, timeout: float | None = None,
                    trace_context: Context | None = None, secret: str | Sequence[str] = "",
-                   tokens: int | None = None) -> ReceiveHandle | GatherHandle:
+                   tokens: int | None = None, readers: int = 1) -> ReceiveHandle | GatherHandle:
         """``tokens``: how many tokens the blocks are to hold, needed only when the
         source's block size differs (default: all they hold; the source may send fewer,
         what its offer holds). ``src`` a list: gather this rank's heads from several
         sources (prefill TP > decode TP) as one request, each sending the heads it holds;
-        then ``secret`` may be a list, each source's offer secret in order."""
+        then ``secret`` may be a list, each source's offer secret in order. ``readers``:
+        how many destinations pull this one offer, each its own heads (decode TP above
+        prefill TP: the decode ranks sharing the source rank); all must say the same."""
         if not isinstance(src, str):
             return await self._gatherer.gather(
                 request_id, list(src), dst_blocks, mode=mode, lookahead=lookahead, codec=codec,
@@ -204,7 +207,7 @@ class Agent:
         return await self._puller.pull(
             request_id, src, dst_blocks, mode=mode, have=have, lookahead=lookahead,
             timeout=timeout, codec=codec, trace_context=trace_context, secret=secret,
-            tokens=tokens)
+            tokens=tokens, readers=readers)
 
     async def keep(self, request_id: str, src_instance: str, secret: str = "") -> RemoteLease:
         return await self._keeper.keep(request_id, src_instance, secret)
@@ -258,10 +261,11 @@ class Agent:
             served = core.book.offers.get(msg.request_id)
             acted = self._offers.on_abort(msg)
             self._keeper.on_abort(msg)
-            if acted and served is not None and served.runner is not None \
-                    and not msg.transfer_id:
+            if acted and served is not None and not msg.transfer_id:
+                runners = [e.runner for e in [served, *served.children] if e.runner is not None]
                 with anyio.move_on_after(self.config.request_timeout_s):
-                    await served.runner.quiesced.wait()
+                    for runner in runners:
+                        await runner.quiesced.wait()
             return m.AbortAck(transfer_id=msg.transfer_id)
         core.registry.contact(msg.by)
         core.end(entry, TransferState.ABORTED, f"aborted by {msg.by}: {msg.reason}",

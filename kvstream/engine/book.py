@@ -11,7 +11,12 @@ transfer that has none, tell a keeper, lose a lease, renew). The book owns the r
   the same request may start) but keeps counting against ``max_transfers`` until it has
   finished, because until then its stream may still hold memory;
 * no action names an entry after it finished;
-* ``next_deadline`` says when ``tick`` next has work, so one timer drives it.
+* ``next_deadline`` says when ``tick`` next has work, so one timer drives it;
+* a **shared offer** (``readers`` > 1: decode ranks that each pull their heads of one
+  prefill rank's offer) serves each reader as a SERVE entry of its own, its ``parent``;
+  the offer completes when every reader completed, fails with the first reader that
+  fails (stopping the others: the request's KV is whole or useless), and finishes, so
+  releases its blocks, only after its last reader finished.
 """
 
 from __future__ import annotations
@@ -114,12 +119,13 @@ class Book:
         return entry
 
     def offer(self, request_id: str, transfer_id: str, lease_s: float, now: float,
-              secret: str = "") -> Entry:
+              secret: str = "", readers: int = 0) -> Entry:
         if request_id in self.offers:
             raise DuplicateRequestError(f"request {request_id!r} is already offered",
                                         request_id=request_id)
         entry = self._open(Entry(Kind.OFFER, request_id, transfer_id=transfer_id, opened_at=now,
-                                 lease_s=lease_s, lease_until=now + lease_s, secret=secret))
+                                 lease_s=lease_s, lease_until=now + lease_s, secret=secret,
+                                 readers=readers))
         self.offers[request_id] = entry
         return entry
 
@@ -128,6 +134,24 @@ class Book:
         assert entry.kind is Kind.OFFER and entry.ending is None
         entry.kind, entry.peer = Kind.SERVE, peer
         entry.lease_until = now + entry.lease_s
+
+    def serve_reader(self, offer: Entry, peer: str, transfer_id: str, now: float) -> Entry:
+        """One reader of a shared offer starts: a SERVE entry of its own (it counts against
+        ``max_transfers``); the offer's lease restarts, as a pull restarts a plain one's."""
+        assert offer.kind is Kind.OFFER and offer.ending is None and offer.readers > 1
+        if any(c.peer == peer for c in offer.children):
+            raise DuplicateRequestError(f"{peer} already pulled {offer.request_id!r}",
+                                        request_id=offer.request_id, peer=peer)
+        if len(offer.children) >= offer.readers:
+            raise DuplicateRequestError(f"{offer.request_id!r} was pulled by all its "
+                                        f"{offer.readers} readers", request_id=offer.request_id)
+        child = self._open(Entry(Kind.SERVE, offer.request_id, peer=peer,
+                                 transfer_id=transfer_id, opened_at=now, lease_s=offer.lease_s,
+                                 lease_until=now + offer.lease_s, secret=offer.secret,
+                                 parent=offer))
+        offer.children.append(child)
+        offer.lease_until = now + offer.lease_s
+        return child
 
     def pull(self, src: str, request_id: str, now: float, secret: str = "") -> Entry:
         key = (src, request_id)
@@ -180,6 +204,9 @@ class Book:
                 continue
             entry.lease_until = now + entry.lease_s
             entry.keepers.add(by)
+            for child in entry.children:  # a reader renews its own serve too
+                if child.peer == by and child.ending is None:
+                    child.lease_until = now + child.lease_s
             leases.append(entry.lease_s)
         return unknown, min(leases, default=self.lease_s)
 
@@ -231,6 +258,7 @@ class Book:
                 return [Stop(entry, state, reason, cause, peer_dead=True)]
             return []
         entry.ending = (state, reason)
+        entry.cause = cause
         entry.peer_dead = peer_dead
         self._unindex(entry)
         actions: list[Action] = []
@@ -239,6 +267,11 @@ class Book:
             return [LoseLease(entry, reason, cause)]
         if tell and entry.kind is Kind.OFFER:  # a pull's puller is its peer: it knows
             actions += [TellKeeper(k, entry.request_id, reason) for k in sorted(entry.keepers)]
+        live = [c for c in entry.children if not c.finished]
+        if live:  # a shared offer: its blocks stay until its last reader has stopped
+            for child in live:
+                actions += self.end(child, state, f"the shared offer ended: {reason}", cause)
+            return actions  # its Finish comes from ``reader_finished``
         if entry.streaming:
             actions.append(Stop(entry, state, reason, cause, peer_dead=peer_dead))
         else:
@@ -250,9 +283,30 @@ class Book:
         if entry.finished:
             return False
         self._forget(entry)
-        if state.value in self.counts:
+        if state.value in self.counts and not entry.children:  # its readers counted
             self.counts[state.value] += 1
         return True
+
+    def reader_finished(self, child: Entry, state: TransferState, reason: str,
+                        cause: EndCause) -> list[Action]:
+        """A reader of a shared offer finished (after ``finished``): the offer completes
+        with its last reader, fails with its first failed one, and finishes once none of
+        its readers runs."""
+        offer = child.parent
+        if offer is None or offer.finished:
+            return []
+        if offer.ending is None:
+            if state is not TransferState.COMPLETED:
+                return self.end(offer, state, f"its reader {child.peer} ended: {reason}", cause)
+            offer.served += 1
+            if offer.served < offer.readers:
+                return []
+            return self.end(offer, TransferState.COMPLETED,
+                            f"pulled by all its {offer.readers} readers")
+        if any(not c.finished for c in offer.children):
+            return []
+        ending_state, why = offer.ending
+        return [Finish(offer, ending_state, why, offer.cause or EndCause.of(ending_state, why))]
 
     def _unindex(self, entry: Entry) -> None:
         tables: dict[Kind, dict[Any, Entry]] = {

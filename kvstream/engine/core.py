@@ -167,7 +167,9 @@ class Core:
         entry.handle = handle
         transfer: Transfer = handle.transfer
         def ended() -> None:
-            self.book.finished(entry, transfer.state)
+            if self.book.finished(entry, transfer.state) and entry.parent is not None:
+                self.perform(self.book.reader_finished(entry, transfer.state, transfer.reason,
+                                                       transfer.cause))
 
         transfer.on_release(ended)
         self.wake()
@@ -188,6 +190,9 @@ class Core:
                         # gets the error); out of the book, uncounted, like ``drop``.
                         self.book.drop(entry)
                     else:
+                        if entry.children and state is TransferState.COMPLETED:
+                            for layer in range(entry.handle.transfer.num_layers):
+                                entry.handle.transfer.layer_done(layer)  # every reader's
                         entry.handle.transfer.finish(state, reason, cause)
                 case TellKeeper():
                     self.spawn(self._tell_keeper, action)

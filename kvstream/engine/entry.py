@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstream.transfer.state import TransferState
+from kvstream.transfer.state import EndCause, TransferState
 
 __all__ = ["Entry", "Kind"]
 
@@ -49,6 +49,13 @@ class Entry:
     confirmed: bool = False  # a lease the source said it holds (before: a question only)
     peer_dead: bool = False  # its stop was told the peer is gone (abort the endpoint)
     ending: tuple[TransferState, str] | None = None
+    cause: EndCause | None = None  # of ``ending`` (a shared offer finishes after its readers)
+    # A shared offer (pulled by several destinations, each once; 0: the first pull says
+    # how many) and the SERVE entry of each reader, which names it as its ``parent``.
+    readers: int = 0
+    children: list[Entry] = field(default_factory=list)
+    parent: Entry | None = None
+    served: int = 0  # a shared offer's readers that completed
     finished: bool = False
     handle: Any = None
     runner: Any = None

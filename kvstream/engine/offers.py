@@ -17,7 +17,7 @@ import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import ConfigError
+from kvstream._exceptions import CapacityError, ConfigError
 from kvstream.control import messages as m
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.book import Kind, secret_matches
@@ -40,6 +40,7 @@ from kvstream.transfer.state import EndCause, Side, Transfer, TransferState
 
 if TYPE_CHECKING:
     from kvstream.engine.core import Core
+    from kvstream.engine.entry import Entry
 
 __all__ = ["MIN_SECRET", "Offers", "check_secret"]
 
@@ -60,9 +61,14 @@ class Offers:
 
     def offer(self, request_id: str, src_blocks: Sequence[int], *,
               block_hashes: Sequence[int] | None = None, mode: str = "pipelined",
-              lease_s: float | None = None, secret: str | None = None) -> SendHandle:
+              lease_s: float | None = None, secret: str | None = None,
+              readers: int | None = None) -> SendHandle:
         """Only a pull that presents ``secret`` (made here when not given; the handle's
-        ``secret``) gets the blocks: hand it to the destination with the request id."""
+        ``secret``) gets the blocks: hand it to the destination with the request id.
+
+        ``readers``: how many destinations pull it, each once (decode ranks sharing this
+        rank's heads); None: as many as its first pull says. The handle completes when
+        every reader has."""
         core = self.core
         secret = secrets.token_urlsafe(16) if secret is None else check_secret(secret)
         mem = core.mem()
@@ -72,8 +78,12 @@ class Offers:
         lease = core.config.lease_s if lease_s is None else lease_s
         if not lease > 0:
             raise ConfigError("lease_s must be positive")
+        if readers is not None and (isinstance(readers, bool) or not isinstance(readers, int)
+                                    or not 1 <= readers <= m.MAX_READERS):
+            raise ConfigError(f"readers is 1 to {m.MAX_READERS}, got {readers!r}")
         transfer_id = uuid.uuid4().hex
-        entry = core.book.offer(request_id, transfer_id, lease, core.clock(), secret)
+        entry = core.book.offer(request_id, transfer_id, lease, core.clock(), secret,
+                                readers=readers or 0)
         t = Transfer(transfer_id=transfer_id, request_id=request_id, side=Side.SEND,
                      peer="", num_layers=mem.layout.num_layers,
                      layer_bytes=mem.planes * mem.plane_bytes(len(blocks)), clock=core.clock)
@@ -121,8 +131,15 @@ class Offers:
             core.count("forbidden", 1)
             return reject("forbidden", f"the pull of {msg.request_id!r} does not carry the "
                           "offer's secret")
-        handle: SendHandle = entry.handle
-        full = handle.blocks
+        if entry.readers and msg.readers != entry.readers:
+            return reject("incompatible", f"{msg.request_id!r} is pulled by {entry.readers} "
+                          f"readers; this pull says {msg.readers}")
+        if entry.readers > 1 and (len(entry.children) >= entry.readers
+                                  or any(c.peer == msg.dst for c in entry.children)):
+            return reject("duplicate", f"{msg.dst} already pulled {msg.request_id!r}, or all "
+                          f"its {entry.readers} readers did")
+        offered: SendHandle = entry.handle
+        full = offered.blocks
         reshape = None
         if msg.reshape is not None:
             assert msg.dst_layout is not None  # checked above
@@ -143,8 +160,11 @@ class Offers:
         elif len(msg.dst_blocks) != len(full):
             return reject("invalid_blocks", f"{len(msg.dst_blocks)} destination blocks for the "
                           f"{len(full)} blocks offered for {msg.request_id!r}")
-        skip = [] if reshape else skipped_indices(handle.block_hashes, msg.have)
-        core.book.serve(entry, msg.dst, core.clock())
+        skip = [] if reshape else skipped_indices(offered.block_hashes, msg.have)
+        served = self._serve(entry, msg)
+        if isinstance(served, m.Reject):
+            return served
+        entry, handle = served
         t = handle.transfer
         t.peer = msg.dst
         t.started_at = core.clock()  # the transfer deadline counts from the pull
@@ -194,6 +214,28 @@ class Offers:
                             mapped=path in ("shm", "cuda_ipc"), path=path)
         core.run_stream(entry, stream, msg.deadline_s)
         return manifest
+
+    def _serve(self, entry: Entry, msg: m.Pull) -> tuple[Entry, SendHandle] | m.Reject:
+        """The entry and handle that serve this pull: the offer itself, or for a shared
+        offer a reader's own (its transfer, tag, blocks and stream; the offer's blocks and
+        layer readiness)."""
+        core = self.core
+        entry.readers = entry.readers or msg.readers
+        if entry.readers == 1:
+            core.book.serve(entry, msg.dst, core.clock())
+            return entry, entry.handle
+        offered: SendHandle = entry.handle
+        transfer_id = uuid.uuid4().hex
+        try:
+            child = core.book.serve_reader(entry, msg.dst, transfer_id, core.clock())
+        except CapacityError as exc:
+            return m.Reject(transfer_id="", code="busy", reason=str(exc))
+        t = Transfer(transfer_id=transfer_id, request_id=entry.request_id, side=Side.SEND,
+                     peer=msg.dst, num_layers=offered.transfer.num_layers,
+                     layer_bytes=offered.transfer.layer_bytes, clock=core.clock)
+        handle = offered.reader(t, core.aborter(child))
+        core.track(child, handle)
+        return child, handle
 
     def on_renew(self, msg: m.Renew) -> m.ControlMessage:
         unknown, lease = self.core.book.renew(msg.by, msg.request_ids, msg.secrets,

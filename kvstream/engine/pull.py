@@ -71,10 +71,15 @@ class Puller:
                    *, mode: str = "eager", have: Iterable[int] = (), lookahead: int = 1,
                    timeout: float | None = None, codec: str | None = None,
                    trace_context: Context | None = None, secret: str = "",
-                   tokens: int | None = None, part: Reshape | None = None) -> ReceiveHandle:
-        """``part``: the heads to ask for, one part of a gather (engine/gather.py)."""
+                   tokens: int | None = None, part: Reshape | None = None,
+                   readers: int = 1) -> ReceiveHandle:
+        """``part``: the heads to ask for, one part of a gather (engine/gather.py);
+        ``readers``: how many destinations pull the offer (engine/offers.py)."""
         core = self.core
         mem = core.mem()
+        if isinstance(readers, bool) or not isinstance(readers, int) or \
+                not 1 <= readers <= m.MAX_READERS:
+            raise ConfigError(f"readers is 1 to {m.MAX_READERS}, got {readers!r}")
         want_codec = effective_codec(codec or core.config.codec, mem.layout)
         if want_codec not in core.config.accept_codecs:
             raise ConfigError(f"codec {want_codec!r} is not in this agent's accept_codecs "
@@ -86,6 +91,7 @@ class Puller:
         reshape = self._reshape(src_instance, len(blocks), tokens, want_codec) \
             if part is None else self._part(src_instance, part, len(blocks))
         entry = core.book.pull(src_instance, request_id, core.clock(), secret)
+        entry.readers = readers  # of the offer at the source
         span = telemetry.open_span("kvstream.pull", parent=trace_context, kind=SpanKind.CONSUMER,
                                    request_id=request_id, side="recv", peer=src_instance,
                                    mode=mode, codec=want_codec, blocks=len(blocks))
@@ -154,7 +160,8 @@ class Puller:
                            secret=entry.secret, path=path,  # type: ignore[arg-type]
                            dst_host=core.paths.host, dst_tcp=core.paths.tcp_address,
                            reshape=reshape, dst_layout=mem.layout if reshape else None,
-                           dst_tp=core.config.tp if reshape else None),
+                           dst_tp=core.config.tp if reshape else None,
+                           readers=max(1, entry.readers)),
                     timeout=core.config.request_timeout_s, peer=src,
                     headers=telemetry.headers_of(span))
         except BaseException as exc:

@@ -86,6 +86,9 @@ class Push(LocalMessage, tag="push", frozen=True):
     tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # unequal layouts
 
 
+Readers = Annotated[int, msgspec.Meta(ge=1, le=1024)]  # control.messages.MAX_READERS
+
+
 class Offer(LocalMessage, tag="offer", frozen=True):
     request_id: str
     src_blocks: list[int]
@@ -93,6 +96,7 @@ class Offer(LocalMessage, tag="offer", frozen=True):
     mode: Literal["pipelined", "eager"] = "pipelined"
     lease_s: float | None = None
     secret: str | None = None  # None: the agent makes one (returned in ``Ok.secret``)
+    readers: Readers | None = None  # destinations that pull it (None: the first pull says)
 
 
 class Pull(LocalMessage, tag="pull", frozen=True):
@@ -108,6 +112,7 @@ class Pull(LocalMessage, tag="pull", frozen=True):
     secret: str | list[str] = ""  # the offer's secret, as its source handed it out (a
     # gather: one per source, or one for all)
     tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None  # unequal layouts
+    readers: Readers = 1  # destinations that pull the one offer (Agent.pull)
 
 
 class Fetch(LocalMessage, tag="fetch", frozen=True):

@@ -100,7 +100,7 @@ class _Session:
                 try:
                     sent = self.agent.offer(msg.request_id, msg.src_blocks, mode=msg.mode,
                                             block_hashes=msg.block_hashes, lease_s=msg.lease_s,
-                                            secret=msg.secret)
+                                            secret=msg.secret, readers=msg.readers)
                 except KVStreamError as exc:
                     await self.reply_error(msg.id, exc)
                     return
@@ -181,7 +181,7 @@ class _Session:
             msg.request_id, msg.src, msg.dst_blocks, mode=msg.mode, have=msg.have,
             lookahead=msg.lookahead, codec=msg.codec, timeout=msg.timeout,
             trace_context=telemetry.context_from({"traceparent": msg.traceparent}),
-            secret=msg.secret, tokens=msg.tokens), self._watch_receive)
+            secret=msg.secret, tokens=msg.tokens, readers=msg.readers), self._watch_receive)
 
     async def _start(self, rid: int, begin: Any, follow: Any) -> None:
         """Await a transfer's start, answer the engine with its handle, then follow it."""

@@ -114,6 +114,15 @@ class SendHandle(_Handle):
         # An offer's secret: a pull (or keep, renewal, abort) of it must present it.
         self.secret = ""
 
+    def reader(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]]
+               ) -> SendHandle:
+        """The handle of one reader of this shared offer: its own transfer, this offer's
+        blocks and layer readiness (the engine marks layers on the offer's handle only)."""
+        h = SendHandle(transfer, aborter, eager=self.eager, blocks=self.blocks)
+        h._ready, h._all_ready = self._ready, self._all_ready
+        h.block_hashes, h.secret = self.block_hashes, self.secret
+        return h
+
     def layer_ready(self, layer: int) -> None:
         """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""
         if not 0 <= layer < self.transfer.num_layers:

@@ -345,3 +345,36 @@ async def test_gather_through_sidecars_of_two_prefill_ranks(sidecars):
         for rank, s in enumerate(srcs):
             want = pack(s.layers[layer], half, sb, tokens)
             assert torch.equal(got[:, :, 2 * rank:2 * rank + 2], want), (layer, rank)
+
+
+async def test_two_decode_rank_sidecars_read_one_offer(sidecars):
+    """Prefill TP 1 (4 heads, block 32) -> decode TP 2 (two sidecars, 2 heads each, block
+    16): both ranks pull their heads of the prefill's one offer (``readers=2``); the offer
+    completes once both did."""
+    whole = KVLayout(num_layers=3, num_kv_heads=4, head_dim=32, block_size=32, dtype="float16")
+    half = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
+    _, psock = sidecars("sc-r-p")
+    dsocks = [sidecars(f"sc-r-d{r}", "--tp-rank", str(r), "--tp-size", "2")[1] for r in (0, 1)]
+    src = SharedKV.create(whole, 8)
+    dsts = [SharedKV.create(half, 8) for _ in dsocks]
+    fill(src)
+    sb, db, tokens = [6, 1], [[5, 0, 3], [2, 7, 4]], 40
+    async with Client.connect(psock) as p, Client.connect(dsocks[0]) as d0, \
+            Client.connect(dsocks[1]) as d1:
+        for client, lay, shared in ((p, whole, src), (d0, half, dsts[0]), (d1, half, dsts[1])):
+            await client.register_kv(lay, shared)
+        with anyio.fail_after(20):
+            tx = await p.offer("r", sb, readers=2)
+            tx.all_ready()
+            rxs = [await d.pull("r", "sc-r-p", db[i], secret=tx.secret, tokens=tokens,
+                                readers=2) for i, d in enumerate((d0, d1))]
+            for rx in rxs:
+                await rx.wait()
+            await tx.wait()
+    from kvstream.transfer.plan import pack
+
+    for layer in range(3):
+        want = pack(src.layers[layer], whole, sb, tokens)
+        for rank, d in enumerate(dsts):
+            got = pack(d.layers[layer], half, db[rank], tokens)
+            assert torch.equal(got, want[:, :, 2 * rank:2 * rank + 2]), (layer, rank)

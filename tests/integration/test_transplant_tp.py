@@ -118,17 +118,15 @@ async def test_prefill_tp1_into_decode_tp2(nats_server):
         await meet(p, d0, d1)
         cache, first = _prefill(model, prompt)
         _store(p, cache, src, range(2))
-        # Each decode rank pulls its head from the one prefill rank (one offer per rank,
-        # as each decode rank's request is its own at the source).
-        handles = []
-        for rank, d in enumerate((d0, d1)):
-            offer = p.offer(f"req-{rank}", src)
-            offer.all_ready()
-            handles.append(await d.pull(f"req-{rank}", "tq-p", dst[rank], secret=offer.secret,
-                                        tokens=seq))
+        # One offer, two readers: each decode rank pulls its head of it.
+        offer = p.offer("req", src)
+        offer.all_ready()
+        handles = [await d.pull("req", "tq-p", dst[rank], secret=offer.secret, tokens=seq,
+                                readers=2) for rank, d in enumerate((d0, d1))]
         with anyio.fail_after(30):
             for h in handles:
                 await h.wait()
+            await offer.wait()
         tokens = ce.decode_steps(model, _load([d0, d1], dst, seq, model), first, ce.MAX_NEW)
         await settle(p, d0, d1)
         assert_at_rest(p, d0, d1)

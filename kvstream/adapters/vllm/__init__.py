@@ -20,9 +20,10 @@ through the pickled ``KVStreamMetadata`` of each step. The flow (docs/design/vll
   ``kv_load_failure_policy="recompute"``) instead of decoding garbage.
 * unequal engines: the prefill may use another block size or TP degree (its params say
   which). Each decode rank pulls from the prefill rank(s) holding its KV heads (several:
-  one gather; ``ranks.py``) and the engine converts the blocks (``tokens=``). Declined,
-  visibly, with the prefill's hold released and the prompt computed here: decode TP above
-  prefill TP (an offer serves one puller), a decode-side prefix hit between unequal
+  one gather; one shared by several decode ranks: a reader of its offer; ``ranks.py``)
+  and the engine converts the blocks (``tokens=``). Declined, visibly, with the prefill's
+  hold released and the prompt computed here: decode TP above prefill TP but not a
+  multiple of it, a decode-side prefix hit between unequal
   layouts (the engine would rewrite shared cached blocks), a conversion of vLLM CPU
   attention's blocks in bfloat16 (their layout there was not probed: ``common.CPU_CONVERTS``).
 

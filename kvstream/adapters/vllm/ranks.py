@@ -13,8 +13,8 @@ or releases it.
 * ``D < P``: decode rank r gathers from the prefill ranks p with ``p * D // P == r`` (one
   request-level pull of several parts; the worker releases the replicas it did not use).
 * ``D > P``: decode rank r's heads lie on prefill rank ``r * P // D``, which holds them
-  for several decode ranks, and a kvstream offer is served to one puller: refused (the
-  connector lets vLLM compute the prompt) until the engine serves one offer to several.
+  for ``D / P`` decode ranks (``readers``): each pulls its heads of that rank's one
+  offer, which completes when all did; the first of them answers for its hold.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvstream._exceptions import LayoutError
 from kvstream.layout import KVLayout
 from kvstream.transfer.plan import TpInfo
 
-__all__ = ["heads", "instance", "owned", "refusal", "sources"]
+__all__ = ["heads", "instance", "owned", "readers", "refusal", "sources"]
 
 
 def heads(rank: int, size: int, total_kv_heads: int) -> range:
@@ -52,19 +52,23 @@ def sources(rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
     return owned(rank, prefill_tp, decode_tp)
 
 
+def readers(prefill_rank: int, prefill_tp: int, decode_tp: int) -> int:
+    """How many decode ranks pull prefill rank ``prefill_rank``'s offer (each its heads)."""
+    return sum(prefill_rank in sources(d, prefill_tp, decode_tp) for d in range(decode_tp))
+
+
 def refusal(prefill_tp: int, decode_tp: int, total_kv_heads: int) -> str | None:
     """Why decode ranks cannot take their heads from this prefill engine's ranks (None:
     they can), the same answer on every rank."""
     if prefill_tp < 1 or decode_tp < 1:
         return f"TP degrees {prefill_tp} (prefill) and {decode_tp} (decode)"
-    if decode_tp > prefill_tp:
-        readers = -(-decode_tp // prefill_tp)
-        return (f"decode TP {decode_tp} above prefill TP {prefill_tp}: each prefill rank "
-                f"would serve {readers} decode ranks, and a kvstream offer is pulled by one")
+    if decode_tp > prefill_tp and decode_tp % prefill_tp:
+        return (f"decode TP {decode_tp} is not a multiple of prefill TP {prefill_tp}: a "
+                "decode rank would need heads of two prefill ranks that other ranks share")
     try:
         for d in range(decode_tp):
             mine = heads(d, decode_tp, total_kv_heads)
-            ranks = owned(d, prefill_tp, decode_tp)
+            ranks = sources(d, prefill_tp, decode_tp)
             held = {h for p in ranks for h in heads(p, prefill_tp, total_kv_heads)}
             if not set(mine) <= held:
                 return (f"decode rank {d} of TP {decode_tp} holds KV heads [{mine.start}, "

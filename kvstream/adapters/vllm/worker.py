@@ -266,10 +266,16 @@ class WorkerSide(Side):
                 raise AdapterError(refused)
             # ``tokens``: how many the blocks are to hold, for a source of another block
             # size (ignored between equal layouts). Several sources: one gather of heads.
+            # Decode TP above prefill TP: the decode ranks sharing a prefill rank each
+            # pull their heads of its one offer (``readers`` of it).
+            shared = ranks.readers(ranks.sources(self._tp_rank, remote.tp_size,
+                                                 self._tp_size)[0], remote.tp_size,
+                                   self._tp_size)
             handle = await agent.pull(rrid, sources[0] if len(sources) == 1 else sources,
                                       blocks, mode="eager", have=job.have,
                                       codec=job.codec if len(sources) == 1 else "none",
-                                      secret=remote.secret, tokens=job.tokens)
+                                      secret=remote.secret, tokens=job.tokens,
+                                      readers=shared if len(sources) == 1 else 1)
             self._pulls[rid] = handle
             if rid in self._cancelled:
                 await handle.abort("the decode request ended")
