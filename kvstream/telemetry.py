@@ -240,7 +240,8 @@ def transfer_ended(t: Transfer) -> None:
     break a transfer's ending: an exporter's error is logged, not raised."""
     try:
         _active.add(-1, {"kvstream.side": t.side.value})
-        _record_end(t)
+        if not t.shared:  # a shared offer's bytes are its readers' (counted there)
+            _record_end(t)
         if t.span is not None:
             _end_span(t, t.span)
     except Exception:

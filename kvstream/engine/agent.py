@@ -198,6 +198,9 @@ class Agent:
         how many destinations pull this one offer, each its own heads (decode TP above
         prefill TP: the decode ranks sharing the source rank); all must say the same."""
         if not isinstance(src, str):
+            if readers != 1:
+                raise ConfigError("readers= is for one source's shared offer; a gather's "
+                                  "sources are each pulled by this rank alone")
             return await self._gatherer.gather(
                 request_id, list(src), dst_blocks, mode=mode, lookahead=lookahead, codec=codec,
                 timeout=timeout, trace_context=trace_context, secret=secret, tokens=tokens,

@@ -81,7 +81,8 @@ class Book:
             raise CapacityError(f"max_transfers={self.max_transfers} reached",
                                 what="transfers", limit=self.max_transfers)
         self.live[entry] = None
-        self._active += entry.kind is not Kind.LEASE
+        entry.slot = entry.kind is not Kind.LEASE
+        self._active += entry.slot
         return entry
 
     def reserve(self, request_id: str, now: float) -> Entry:
@@ -135,20 +136,32 @@ class Book:
         entry.kind, entry.peer = Kind.SERVE, peer
         entry.lease_until = now + entry.lease_s
 
-    def serve_reader(self, offer: Entry, peer: str, transfer_id: str, now: float) -> Entry:
-        """One reader of a shared offer starts: a SERVE entry of its own (it counts against
-        ``max_transfers``); the offer's lease restarts, as a pull restarts a plain one's."""
-        assert offer.kind is Kind.OFFER and offer.ending is None and offer.readers > 1
+    def serve_reader(self, offer: Entry, peer: str, transfer_id: str, now: float,
+                     readers: int) -> Entry:
+        """One of ``readers`` readers of a shared offer starts (the first fixes the count):
+        a SERVE entry of its own, counted against ``max_transfers`` (the first takes over
+        the offer's slot); the offer's lease restarts, as a pull restarts a plain one's."""
+        assert offer.kind is Kind.OFFER and offer.ending is None and readers > 1
+        assert offer.readers in (0, readers)
         if any(c.peer == peer for c in offer.children):
             raise DuplicateRequestError(f"{peer} already pulled {offer.request_id!r}",
                                         request_id=offer.request_id, peer=peer)
-        if len(offer.children) >= offer.readers:
+        if len(offer.children) >= readers:
             raise DuplicateRequestError(f"{offer.request_id!r} was pulled by all its "
-                                        f"{offer.readers} readers", request_id=offer.request_id)
-        child = self._open(Entry(Kind.SERVE, offer.request_id, peer=peer,
-                                 transfer_id=transfer_id, opened_at=now, lease_s=offer.lease_s,
-                                 lease_until=now + offer.lease_s, secret=offer.secret,
-                                 parent=offer))
+                                        f"{readers} readers", request_id=offer.request_id)
+        handover = offer.slot and not offer.children
+        if handover:
+            offer.slot, self._active = False, self._active - 1
+        try:
+            child = self._open(Entry(Kind.SERVE, offer.request_id, peer=peer,
+                                     transfer_id=transfer_id, opened_at=now,
+                                     lease_s=offer.lease_s, lease_until=now + offer.lease_s,
+                                     secret=offer.secret, parent=offer))
+        except CapacityError:
+            if handover:
+                offer.slot, self._active = True, self._active + 1
+            raise
+        offer.readers = readers
         offer.children.append(child)
         offer.lease_until = now + offer.lease_s
         return child
@@ -265,12 +278,19 @@ class Book:
         if entry.kind is Kind.LEASE:
             self._forget(entry)
             return [LoseLease(entry, reason, cause)]
-        if tell and entry.kind is Kind.OFFER:  # a pull's puller is its peer: it knows
-            actions += [TellKeeper(k, entry.request_id, reason) for k in sorted(entry.keepers)]
+        if tell and entry.kind is Kind.OFFER and state is not TransferState.COMPLETED:
+            # A pull's puller is its peer: it knows (a shared offer's readers too).
+            readers = {c.peer for c in entry.children}
+            actions += [TellKeeper(k, entry.request_id, reason)
+                        for k in sorted(entry.keepers - readers)]
         live = [c for c in entry.children if not c.finished]
         if live:  # a shared offer: its blocks stay until its last reader has stopped
+            # Their peers did not end them (whatever ended the offer): each stream tells its
+            # own peer, waits for its answer, and only then lets the blocks go.
+            theirs = EndCause.ENGINE_ABORT if cause in (EndCause.PEER_ABORT,
+                                                        EndCause.PEER_LOST) else cause
             for child in live:
-                actions += self.end(child, state, f"the shared offer ended: {reason}", cause)
+                actions += self.end(child, state, f"the shared offer ended: {reason}", theirs)
             return actions  # its Finish comes from ``reader_finished``
         if entry.streaming:
             actions.append(Stop(entry, state, reason, cause, peer_dead=peer_dead))
@@ -283,7 +303,10 @@ class Book:
         if entry.finished:
             return False
         self._forget(entry)
-        if state.value in self.counts and not entry.children:  # its readers counted
+        # A shared offer's readers count their own ends; the offer counts only an end none
+        # of them had (it expired, or was aborted, with no reader running).
+        shared = entry.children and (state is TransferState.COMPLETED or entry.reader_failed)
+        if state.value in self.counts and not shared:
             self.counts[state.value] += 1
         return True
 
@@ -295,6 +318,7 @@ class Book:
         offer = child.parent
         if offer is None or offer.finished:
             return []
+        offer.reader_failed |= state is not TransferState.COMPLETED
         if offer.ending is None:
             if state is not TransferState.COMPLETED:
                 return self.end(offer, state, f"its reader {child.peer} ended: {reason}", cause)
@@ -325,7 +349,7 @@ class Book:
         if self.streams.get(entry.transfer_id) is entry:
             del self.streams[entry.transfer_id]
         if self.live.pop(entry, False) is None:
-            self._active -= entry.kind is not Kind.LEASE
+            self._active -= entry.slot
 
     def end_all(self, reason: str, cause: EndCause = EndCause.SHUTDOWN, *,
                 leases: bool = False) -> list[Action]:
@@ -355,7 +379,8 @@ class Book:
     def _orphaned(self, alive: Alive) -> list[Action]:
         actions: list[Action] = []
         for entry in list(self.offers.values()):
-            if entry.kind is Kind.OFFER and entry.keepers and \
+            reading = any(not c.finished for c in entry.children)  # its readers' own peers
+            if entry.kind is Kind.OFFER and entry.keepers and not reading and \
                     not any(alive(k) for k in entry.keepers):
                 actions += self.end(
                     entry, TransferState.FAILED, "peer lost: every instance keeping its lease "

@@ -54,12 +54,17 @@ def _prepare_codec(mem: RegisteredKV) -> None:
         log.warning("preparing the codec kernel failed: %s", exc)
 
 
-def _prepare_blockcopy() -> None:
-    """Build the C block copy the same-host path reads with (gcc: up to a second on a
-    cold cache, which would otherwise land on the first transfer's exposed time)."""
+def _prepare_blockcopy(transpose: bool) -> None:
+    """Build the C block copy the same-host path reads with, and the transpose vLLM CPU
+    blocks are reshaped with (gcc: up to a second each on a cold cache, which would
+    otherwise land on the first transfer's exposed time)."""
     from kvstream.dataplane.blockcopy import load
 
     load()  # a failure falls back to memmove, with its own warning
+    if transpose:
+        from kvstream.transfer import transpose as tr
+
+        tr.load()  # a failure falls back to torch, with its own warning
 
 
 class Core:
@@ -144,7 +149,8 @@ class Core:
             threading.Thread(target=_prepare_codec, args=(mem,), daemon=True,
                              name="kvstream-codec-build").start()
         if mem.device.type == "cpu":  # a same-host peer's KV may be read with it
-            threading.Thread(target=_prepare_blockcopy, daemon=True,
+            threading.Thread(target=_prepare_blockcopy,
+                             args=(mem.layout.arrangement == "cpu_hnbc",), daemon=True,
                              name="kvstream-blockcopy-build").start()
         return mem
 

@@ -56,6 +56,9 @@ class Entry:
     children: list[Entry] = field(default_factory=list)
     parent: Entry | None = None
     served: int = 0  # a shared offer's readers that completed
+    reader_failed: bool = False  # one of them ended otherwise (it counted that end)
+    slot: bool = False  # counts against ``max_transfers`` (a shared offer's first reader
+    # takes over its offer's slot, so N readers hold N slots, as N plain pulls would)
     finished: bool = False
     handle: Any = None
     runner: Any = None

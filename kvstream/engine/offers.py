@@ -220,16 +220,18 @@ class Offers:
         offer a reader's own (its transfer, tag, blocks and stream; the offer's blocks and
         layer readiness)."""
         core = self.core
-        entry.readers = entry.readers or msg.readers
-        if entry.readers == 1:
+        readers = entry.readers or msg.readers
+        if readers == 1:
+            entry.readers = 1
             core.book.serve(entry, msg.dst, core.clock())
             return entry, entry.handle
         offered: SendHandle = entry.handle
         transfer_id = uuid.uuid4().hex
-        try:
-            child = core.book.serve_reader(entry, msg.dst, transfer_id, core.clock())
+        try:  # a refused reader fixes nothing: the count is the first served one's
+            child = core.book.serve_reader(entry, msg.dst, transfer_id, core.clock(), readers)
         except CapacityError as exc:
             return m.Reject(transfer_id="", code="busy", reason=str(exc))
+        offered.transfer.shared = True
         t = Transfer(transfer_id=transfer_id, request_id=entry.request_id, side=Side.SEND,
                      peer=msg.dst, num_layers=offered.transfer.num_layers,
                      layer_bytes=offered.transfer.layer_bytes, clock=core.clock)

@@ -64,7 +64,9 @@ def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStati
         instance_id=core.instance_id,
         transfers_active=len(book.streams),
         reservations_active=kinds.count(Kind.RESERVATION),
-        held_active=kinds.count(Kind.OFFER),
+        # Offers waiting for a pull (a shared one being read is its readers' transfers).
+        held_active=sum(e.kind is Kind.OFFER and all(c.finished for c in e.children)
+                        for e in book.live),
         leases_active=kinds.count(Kind.LEASE),
         staged_transfers=kinds.count(Kind.STAGED),
         kv_registered_bytes=core.memory.nbytes if core.memory else 0,

@@ -113,6 +113,7 @@ class SendHandle(_Handle):
         self.keepers: set[str] = set()  # instances that renewed the lease
         # An offer's secret: a pull (or keep, renewal, abort) of it must present it.
         self.secret = ""
+        self._readers: list[SendHandle] = []  # a shared offer's (``reader``)
 
     def reader(self, transfer: Transfer, aborter: Callable[[str], Awaitable[None]]
                ) -> SendHandle:
@@ -121,6 +122,7 @@ class SendHandle(_Handle):
         h = SendHandle(transfer, aborter, eager=self.eager, blocks=self.blocks)
         h._ready, h._all_ready = self._ready, self._all_ready
         h.block_hashes, h.secret = self.block_hashes, self.secret
+        self._readers.append(h)
         return h
 
     def layer_ready(self, layer: int) -> None:
@@ -134,7 +136,8 @@ class SendHandle(_Handle):
         if self._ready_count == self.transfer.num_layers:
             self.last_ready_at = time.monotonic()
             self._all_ready.set()
-            telemetry.all_layers_ready(self.transfer)
+            for h in (self, *self._readers):  # each reader's trace has its exposed time
+                telemetry.all_layers_ready(h.transfer)
 
     def all_ready(self) -> None:
         for layer in range(self.transfer.num_layers):

@@ -132,6 +132,7 @@ class Transfer:
         self._release: list[Callable[[], None]] = []
         self.span: Span | None = None  # its trace (kvstream.telemetry), when one is open
         self.streamed = False  # reached STREAMING (an idle offer or reservation never does)
+        self.shared = False  # a shared offer's: its readers' transfers carry the metrics
         telemetry.transfer_started(self)
 
     def __repr__(self) -> str:

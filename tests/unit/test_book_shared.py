@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvstream._exceptions import CapacityError, DuplicateRequestError
-from kvstream.engine.book import Action, Book, Entry, Finish, Kind, Stop
+from kvstream.engine.book import Action, Book, Entry, Finish, Kind, Stop, TellKeeper
 from kvstream.transfer.state import EndCause, TransferState
 
 S = TransferState
@@ -21,29 +21,33 @@ class Layer:
                          transfer_timeout_s=10.0, lease_s=4.0)
         self.finished: dict[Entry, S] = {}
         self.stopping: dict[Entry, S] = {}
+        self.told: list[TellKeeper] = []
 
     def perform(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Stop | Finish):
                 assert a.entry not in self.finished, f"{a} names a finished entry"
-            if isinstance(a, Stop):
+            if isinstance(a, TellKeeper):
+                self.told.append(a)
+            elif isinstance(a, Stop):
                 self.stopping[a.entry] = a.state
             elif isinstance(a, Finish):
                 self.finish(a.entry, a.state)
 
-    def finish(self, entry: Entry, state: S, reason: str = "done") -> None:
+    def finish(self, entry: Entry, state: S, reason: str = "done",
+               cause: EndCause | None = None) -> None:
         assert self.book.finished(entry, state)
         self.finished[entry] = state
         self.stopping.pop(entry, None)
         if entry.parent is not None:
             self.perform(self.book.reader_finished(entry, state, reason,
-                                                   EndCause.of(state, reason)))
+                                                   cause or EndCause.of(state, reason)))
 
     def offer(self, readers: int = 2) -> Entry:
         return self.book.offer("r", "t0", 4.0, 0.0, "s" * 16, readers=readers)
 
     def reader(self, offer: Entry, peer: str, now: float = 1.0) -> Entry:
-        child = self.book.serve_reader(offer, peer, f"t-{peer}", now)
+        child = self.book.serve_reader(offer, peer, f"t-{peer}", now, offer.readers)
         self.book.streaming(child, child.transfer_id, now, None)
         return child
 
@@ -52,7 +56,7 @@ def test_the_offer_completes_with_its_last_reader():
     lay = Layer()
     offer = lay.offer()
     a = lay.reader(offer, "a")
-    assert lay.book.active == 2 and offer.kind is Kind.OFFER
+    assert lay.book.active == 1 and offer.kind is Kind.OFFER  # a took the offer's slot
     assert lay.book.offers["r"] is offer and offer.lease_until == 1.0 + 4.0
     lay.finish(a, S.COMPLETED)
     assert offer not in lay.finished and offer.ending is None
@@ -86,39 +90,48 @@ def test_ending_the_offer_waits_for_every_reader():
     assert lay.stopping == {a: S.ABORTED} and offer not in lay.finished
     lay.finish(a, S.ABORTED)
     assert lay.finished[offer] is S.ABORTED and offer.cause is EndCause.ENGINE_ABORT
-    assert lay.book.counts["aborted"] == 1
+    assert lay.book.counts["aborted"] == 1  # the reader's; the offer's end is its
 
 
-def test_readers_are_counted_checked_and_renewed():
-    lay = Layer(max_transfers=2)
+def test_readers_stopped_for_another_reader_tell_their_own_peers():
+    """Reader a's peer aborted it: b and c are stopped by this side (their streams tell
+    their peers), and no keeper hears of a completion."""
+    lay = Layer()
     offer = lay.offer(readers=3)
-    a = lay.reader(offer, "a")
-    with pytest.raises(DuplicateRequestError):
-        lay.book.serve_reader(offer, "a", "t-again", 1.0)
-    with pytest.raises(CapacityError):  # the offer and one reader fill max_transfers=2
-        lay.book.serve_reader(offer, "b", "t-b", 1.0)
-    unknown, _ = lay.book.renew("a", ["r"], ["s" * 16], 3.0)
-    assert unknown == [] and offer.lease_until == a.lease_until == 7.0
-    lay.book.renew("k", ["r"], ["s" * 16], 4.0)  # a keeper renews the offer, not a's serve
-    assert offer.lease_until == 8.0 and a.lease_until == 7.0
+    offer.keepers |= {"a", "k"}
+    a, b, c = (lay.reader(offer, p) for p in "abc")
+    stops = lay.book.end(a, S.ABORTED, "aborted by a", EndCause.PEER_ABORT)
+    lay.perform(stops)
+    lay.finish(a, S.ABORTED, "aborted by a", EndCause.PEER_ABORT)
+    assert lay.book.end(b, S.FAILED, "x") == []  # already ending: nothing new
+    assert offer.ending is not None and offer.cause is EndCause.PEER_ABORT
+    assert b.cause is c.cause is EndCause.ENGINE_ABORT
 
 
-def test_an_offer_whose_readers_never_all_come_expires_after_the_last_one_left():
+def test_a_dead_keeper_does_not_end_an_offer_its_readers_read():
     lay = Layer()
     offer = lay.offer()
+    offer.keepers.add("k")
     a = lay.reader(offer, "a")
-    lay.finish(a, S.COMPLETED)
-    lay.perform(lay.book.tick(offer.lease_until + 0.1, lambda p: True, str))
-    assert lay.finished[offer] is S.EXPIRED
-    assert lay.book.counts["expired"] == 0 and lay.book.counts["completed"] == 1
+    lay.perform(lay.book.tick(2.0, lambda p: p != "k", str))
+    assert a not in lay.stopping and offer.ending is None
+    lay.finish(a, S.COMPLETED)  # once nobody reads it, a dead keeper's offer ends
+    lay.perform(lay.book.tick(2.1, lambda p: p != "k", str))
+    assert lay.finished[offer] is S.FAILED
 
 
-def test_end_all_stops_readers_and_then_finishes_the_offer():
+def test_completion_tells_no_keeper_and_an_abort_only_keepers_that_read_nothing():
     lay = Layer()
     offer = lay.offer()
+    offer.keepers |= {"k", "a"}
     a, b = lay.reader(offer, "a"), lay.reader(offer, "b")
-    lay.perform(lay.book.end_all("shutdown"))
-    assert set(lay.stopping) == {a, b}
-    lay.finish(a, S.ABORTED)
-    lay.finish(b, S.ABORTED)
-    assert lay.finished[offer] is S.ABORTED and not lay.book.live
+    lay.finish(a, S.COMPLETED)
+    lay.finish(b, S.COMPLETED)
+    assert lay.finished[offer] is S.COMPLETED and lay.told == []
+    second = lay.book.offer("r2", "t9", 4.0, 0.0, "s" * 16, readers=2)
+    second.keepers |= {"k", "a"}
+    c = lay.reader(second, "a")
+    lay.perform(lay.book.end(second, S.ABORTED, "dropped", EndCause.ENGINE_ABORT))
+    assert [t.keeper for t in lay.told] == ["k"]  # a hears it through its stream
+    lay.finish(c, S.ABORTED)
+    assert lay.finished[second] is S.ABORTED
