@@ -88,6 +88,7 @@ class Transfer(Protocol):
     codec: str
     span: Span | None
     streamed: bool
+    shared: bool
 
     @property
     def side(self) -> _Side: ...

@@ -135,3 +135,43 @@ def test_completion_tells_no_keeper_and_an_abort_only_keepers_that_read_nothing(
     assert [t.keeper for t in lay.told] == ["k"]  # a hears it through its stream
     lay.finish(c, S.ABORTED)
     assert lay.finished[second] is S.ABORTED
+
+
+def test_readers_are_counted_checked_and_renewed():
+    lay = Layer(max_transfers=2)
+    offer = lay.offer(readers=3)
+    a = lay.reader(offer, "a")
+    with pytest.raises(DuplicateRequestError):
+        lay.book.serve_reader(offer, "a", "t-again", 1.0, 3)
+    lay.reader(offer, "b")  # the first reader took over the offer's slot
+    assert lay.book.active == 2
+    with pytest.raises(CapacityError):  # two readers fill max_transfers=2
+        lay.book.serve_reader(offer, "c", "t-c", 1.0, 3)
+    assert len(offer.children) == 2 and lay.book.active == 2 and offer.readers == 3
+    unknown, _ = lay.book.renew("a", ["r"], ["s" * 16], 3.0)
+    assert unknown == [] and offer.lease_until == a.lease_until == 7.0
+    lay.book.renew("k", ["r"], ["s" * 16], 4.0)  # a keeper renews the offer, not a's serve
+    assert offer.lease_until == 8.0 and a.lease_until == 7.0
+
+
+def test_an_offer_whose_readers_never_all_come_expires_after_the_last_one_left():
+    lay = Layer()
+    offer = lay.offer()
+    a = lay.reader(offer, "a")
+    lay.finish(a, S.COMPLETED)
+    lay.perform(lay.book.tick(offer.lease_until + 0.1, lambda p: True, str))
+    assert lay.finished[offer] is S.EXPIRED
+    # The reader counted its completion, the offer its expiry (no reader had that end).
+    assert lay.book.counts["expired"] == 1 and lay.book.counts["completed"] == 1
+
+
+def test_end_all_stops_readers_and_then_finishes_the_offer():
+    lay = Layer()
+    offer = lay.offer()
+    a, b = lay.reader(offer, "a"), lay.reader(offer, "b")
+    lay.perform(lay.book.end_all("shutdown"))
+    assert set(lay.stopping) == {a, b}
+    lay.finish(a, S.ABORTED)
+    lay.finish(b, S.ABORTED)
+    assert lay.finished[offer] is S.ABORTED and not lay.book.live
+    assert lay.book.counts["aborted"] == 2  # the readers; the offer had a reader end
