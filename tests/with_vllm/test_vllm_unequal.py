@@ -67,7 +67,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
         # Three engines on 2 cores, and one holding offers keeps stepping (the TP one with
         # three processes): seconds-long stalls happen, so tolerant leases and liveness.
         engines = {name: E.Engine(tiny_model, E.kv_config("kv_both", nats.url, instance_id=name,
-                                                          lease_s=120.0, peer_timeout_s=30.0),
+                                                          lease_s=120.0, peer_timeout_s=30.0,
+                                                          request_timeout_s=20.0),
                                   env=env, log=root / f"{name}.log",
                                   engine_kw={"block_size": bs, "tensor_parallel_size": tp})
                    for name, (bs, tp) in ENGINES.items()}  # all start at once
@@ -242,8 +243,9 @@ def test_decode_tp2_loads_each_rank_its_head_of_one_prefill_offer(trio):
     got = decode(trio["tp"], prompts, params)
     assert [g["tokens"] for g in got] == want
     for p, kv, g in zip(prompts, params, got, strict=True):
-        assert g["num_cached_tokens"] == len(p), "the decode engine recomputed prompt tokens"
         pulled = _wait_events(trio, "pull_ended", n=2, remote_request_id=kv["remote_request_id"])
+        assert g["num_cached_tokens"] == len(p), ("the decode engine recomputed prompt tokens",
+                                                  pulled)
         tokens = math.ceil(len(p) / 32) * 32
         assert len(pulled) == 2 and all(e["ok"] and e["sources"] == ["b32"] for e in pulled)
         assert len({e["pid"] for e in pulled}) == 2, pulled  # one pull per decode rank
