@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
+import anyio.abc
 import anyio.from_thread
 
 from kvstream._exceptions import AdapterError
@@ -42,12 +44,18 @@ class AgentRuntime:
         self.portal = self._portal_cm.__enter__()
         self._stop: anyio.Event | None = None
         self.agent: Agent | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._loop_thread = 0
         ready: concurrent.futures.Future[Agent] = concurrent.futures.Future()
 
         async def main() -> None:
             self._stop = anyio.Event()
+            self._loop_thread = threading.get_ident()
             try:
-                async with Agent(config, layout=layout, kv_caches=layers) as agent:
+                # Tasks started on the loop (``spawn`` from there) end before the loop does.
+                async with anyio.create_task_group() as tg, \
+                        Agent(config, layout=layout, kv_caches=layers) as agent:
+                    self._tg = tg
                     ready.set_result(agent)
                     await self._stop.wait()
             except BaseException as exc:
@@ -77,9 +85,27 @@ class AgentRuntime:
         function's result is awaited there (as ``BlockingPortal.call`` does)."""
         return self.portal.call(fn, *args)
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> concurrent.futures.Future[Any]:
-        """Start ``fn`` on the agent's loop without waiting."""
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any
+              ) -> concurrent.futures.Future[Any] | None:
+        """Start ``fn`` on the agent's loop without waiting, from the engine's thread (its
+        future) or from the loop itself (a note handler, a task: None)."""
+        if self.on_loop():
+            if self._tg is None:
+                raise AdapterError("the agent's loop is not running")
+
+            async def guarded() -> None:  # a task's bug must not cancel the agent
+                try:
+                    await fn(*args)
+                except Exception:
+                    log.exception("a kvstream adapter task failed")
+
+            self._tg.start_soon(guarded)
+            return None
         return self.portal.start_task_soon(fn, *args)
+
+    def on_loop(self) -> bool:
+        """Is this the agent's loop thread (where ``call`` would deadlock)?"""
+        return threading.get_ident() == self._loop_thread
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort what is in flight (peers are told), leave the registry, stop the thread."""

@@ -48,6 +48,7 @@ __all__ = [
     "Done",
     "Leave",
     "Manifest",
+    "Note",
     "Pull",
     "Reject",
     "Renew",
@@ -63,6 +64,7 @@ Role = Literal["prefill", "decode", "both"]
 Mode = Literal["pipelined", "eager"]
 PullMode = Literal["eager", "lazy"]
 Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]
+MAX_NOTE: Final = 64 << 10  # bytes of a Note's body
 MAX_READERS: Final = 1024  # destinations one offer is pulled by (TP degrees, at most)
 
 RejectCode = Literal[
@@ -286,8 +288,17 @@ class AbortAck(ControlMessage, tag="kv.abort_ack", frozen=True):
     transfer_id: Id
 
 
+class Note(ControlMessage, tag="kv.note", frozen=True):
+    """An adapter's own message to a peer's adapter, on the signed control plane (the
+    SGLang backend's "decode allocated" and "KV offered"): ``topic`` picks the handler
+    (``Agent.on_note``); the body is the adapter's to validate."""
+
+    topic: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
+    body: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTE)]
+
+
 ControlUnion = (Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck | Pull
-                | Renew | RenewAck)
+                | Renew | RenewAck | Note)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(ControlUnion)

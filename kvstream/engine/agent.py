@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from kvstream._exceptions import ConfigError, KVStreamError
 from kvstream.control import messages as m
 from kvstream.control.identity import SENDER
 from kvstream.control.registry import Registry
+from kvstream.control.subjects import Subjects
 from kvstream.dataplane.send import SendStream
 from kvstream.dataplane.staging import StagingPool
 from kvstream.engine.admission import Admission
@@ -54,6 +56,11 @@ __all__ = ["Agent", "AgentStatistics"]
 log = logging.getLogger("kvstream.agent")
 
 
+def _check_topic(topic: str) -> None:
+    if not isinstance(topic, str) or not re.fullmatch(r"[a-z][a-z0-9_.-]{0,63}", topic):
+        raise ConfigError(f"a note's topic is [a-z][a-z0-9_.-]{{0,63}}, got {topic!r}")
+
+
 class Agent:
     """Moves KV blocks for one engine. Use ``async with Agent(config) as agent``."""
 
@@ -72,6 +79,7 @@ class Agent:
         self._gatherer = Gatherer(core, self._puller)
         self._liveness = Liveness(core, self._keeper, layout)
         self._ports = (control, transport)
+        self._notes: dict[str, Callable[[str, bytes], None]] = {}
         self._stack = contextlib.AsyncExitStack()
         self.nats_url = ""
         if kv_caches is not None:
@@ -220,6 +228,38 @@ class Agent:
                       secret: str = "") -> bool:
         return await self._keeper.release(request_id, src_instance, reason, secret)
 
+    # -- adapters' notes ------------------------------------------------------------------
+    def on_note(self, topic: str, handler: Callable[[str, bytes], None] | None) -> None:
+        """Call ``handler(sender, body)`` on the agent's loop for every ``Note`` of ``topic``
+        (the sender's signature checked; the body is the handler's to validate, and it
+        must not block). None removes it; notes of a topic nobody handles are dropped."""
+        _check_topic(topic)
+        if handler is None:
+            self._notes.pop(topic, None)
+        else:
+            self._notes[topic] = handler
+
+    async def note(self, peer: str, topic: str, body: bytes) -> None:
+        """Send ``body`` (at most ``MAX_NOTE`` bytes) to ``peer``'s handler of ``topic``,
+        signed, at most once (nobody listening: it is lost; ``NatsConnectError`` if the
+        control plane is down)."""
+        Subjects.check_instance_id(peer)
+        _check_topic(topic)
+        if not isinstance(body, bytes) or len(body) > m.MAX_NOTE:
+            raise ConfigError(f"a note's body is bytes, at most {m.MAX_NOTE}")
+        core = self._core
+        await core.control.publish(core.subjects.control(peer), m.Note(topic=topic, body=body))
+
+    def _on_note(self, msg: m.Note, sender: str) -> None:
+        handler = self._notes.get(msg.topic)
+        if handler is None or not sender:
+            self._core.count("notes_dropped", 1)
+            return
+        try:
+            handler(sender, msg.body)
+        except Exception:  # an adapter's bug must not take the agent down
+            log.exception("the handler of note %r from %s failed", msg.topic, sender)
+
     # -- control plane -----------------------------------------------------------------
     async def _on_control(self, msg: m.ControlUnion, headers: dict[str, str]
                           ) -> m.ControlMessage | None:
@@ -236,6 +276,9 @@ class Agent:
                 return await self._offers.on_pull(msg, headers)
             case m.Renew():
                 return self._offers.on_renew(msg)
+            case m.Note():
+                self._on_note(msg, sender)
+                return None
             case m.Done():
                 entry = self._core.book.lookup(msg.transfer_id)
                 if entry is not None and entry.peer != sender:

@@ -278,8 +278,10 @@ class Book:
         if entry.kind is Kind.LEASE:
             self._forget(entry)
             return [LoseLease(entry, reason, cause)]
-        if tell and entry.kind is Kind.OFFER and state is not TransferState.COMPLETED:
-            # A pull's puller is its peer: it knows (a shared offer's readers too).
+        if tell and entry.kind is Kind.OFFER and not (
+                entry.children and state is TransferState.COMPLETED):
+            # A pull's puller is its peer: it knows (a shared offer's readers too, and a
+            # shared offer every reader completed is news to no keeper).
             readers = {c.peer for c in entry.children}
             actions += [TellKeeper(k, entry.request_id, reason)
                         for k in sorted(entry.keepers - readers)]

@@ -244,7 +244,8 @@ def at_limits(t: mi.Type) -> Iterator[tuple[str, Any]]:
             if t.le is not None:
                 yield "le", hi
         case mi.StrType() if t.max_length is not None:
-            yield "max_length", "é" * t.max_length
+            # Multi-byte characters, unless a pattern (a note's topic) allows only ASCII.
+            yield "max_length", ("a" if t.pattern else "é") * t.max_length
         case mi.BytesType() if t.max_length is not None:
             yield "max_length", b"\x00" * t.max_length
         case mi.ListType() if t.max_length is not None:

@@ -1,0 +1,82 @@
+"""What the SGLang backend's two sides tell each other, as kvstream ``Note`` bodies.
+
+SGLang's flow is decode-first: the decode engine allocates pages for a request (its
+``bootstrap_room``) and says so; the prefill engine computes, then its KV moves. Over
+kvstream: the decode rank sends ``Want`` (its instance, how many pages, its TP share) to
+each prefill rank it reads; the prefill rank, after its last chunk, offers the pages and
+answers ``Ready`` (the offer's secret, the tokens, the aux row SGLang wrote); the decode
+rank pulls (one source, a gather, or one reader of a shared offer: ``transfer.plan``) and
+writes the aux row only once every page has landed. ``Drop`` says a side gave the request
+up, so the other fails it now instead of at a timeout. Every body is a peer's: decoded
+with bounds, its sender checked by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+__all__ = ["DROP", "MAX_AUX_BYTES", "READY", "WANT", "Drop", "Ready", "Want", "decode", "encode"]
+
+WANT: Final = "sglang.want"
+READY: Final = "sglang.ready"
+DROP: Final = "sglang.drop"
+MAX_AUX_BYTES: Final = 48 << 10  # one aux row over all of SGLang's metadata buffers
+
+Room = Annotated[int, msgspec.Meta(ge=0)]  # a uint64 (checked in ``decode``)
+Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+
+
+class Want(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode rank ``tp_rank`` of ``tp_size`` allocated ``pages`` pages for ``room``."""
+
+    room: Room
+    pages: Small
+    prefix_len: Small = 0  # tokens the decode's radix cache already holds
+    tp_rank: Small = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    readers: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # decode ranks reading this rank
+
+
+class Ready(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefill rank offers ``room``'s pages (``tokens`` tokens) under ``secret``, and
+    the aux row SGLang wrote for it, one entry per metadata buffer."""
+
+    room: Room
+    secret: Annotated[str, msgspec.Meta(min_length=16, max_length=256)]
+    tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+    pages: Small
+    aux: Annotated[list[bytes], msgspec.Meta(max_length=64)] = []
+
+
+class Drop(msgspec.Struct, frozen=True, kw_only=True):
+    """The sender gave ``room`` up (aborted, failed): fail it at once."""
+
+    room: Room
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+_enc: Final = msgspec.msgpack.Encoder()
+_dec: Final[dict[str, msgspec.msgpack.Decoder[Any]]] = {
+    WANT: msgspec.msgpack.Decoder(Want), READY: msgspec.msgpack.Decoder(Ready),
+    DROP: msgspec.msgpack.Decoder(Drop)}
+
+
+def encode(note: Want | Ready | Drop) -> bytes:
+    return _enc.encode(note)
+
+
+def decode(topic: str, body: bytes) -> Want | Ready | Drop | None:
+    """The note, or None if it is not one (a peer's garbage: dropped by the caller)."""
+    dec = _dec.get(topic)
+    if dec is None:
+        return None
+    try:
+        note: Want | Ready | Drop = dec.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if note.room >= 1 << 64 or (isinstance(note, Ready)
+                                and sum(len(a) for a in note.aux) > MAX_AUX_BYTES):
+        return None
+    return note

@@ -1,0 +1,188 @@
+"""One SGLang scheduler process's side of a P/D run, driven in SGLang's order against the
+real kvstream backend classes (looked up through SGLang's own ``get_kv_class`` after its
+``load_plugins``), on token-to-KV pools laid out as SGLang lays them out (per layer a K and
+a V buffer of ``[size + page_size, heads, head_dim]``, K of every layer first) and SGLang's
+own ``MetadataBuffers`` for the aux rows.
+
+    python -m tests.with_sglang.sgl_worker {prefill,decode} SCENARIO PORT ROOMS OUT
+
+Page ``k`` of a room holds a pattern of (room, k) on the prefill; the decode checks every
+byte of its pages and the aux row. The result (each room's last poll, what was checked) is
+written to OUT as JSON. Scenarios: ``ok``, ``abort_decode`` (the decode aborts after its
+metadata, before the prefill sends), ``kill`` (the prefill sleeps after its first room so
+the test can kill it; the decode's next room must fail within the peer timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+
+import numpy as np
+import torch
+
+LAYERS, HEADS, DIM, PAGE, SIZE = 3, 2, 16, 16, 32 * 16  # SIZE tokens of pool per layer
+TOKENS = 70  # a partial last page: 5 pages
+
+
+def pattern(room: int, k: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((room * 131 + k) % (1 << 62))
+    return torch.randn(PAGE, HEADS, DIM, generator=gen).half()
+
+
+def pools() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    k = [torch.zeros(SIZE + PAGE, HEADS, DIM, dtype=torch.float16) for _ in range(LAYERS)]
+    v = [torch.zeros(SIZE + PAGE, HEADS, DIM, dtype=torch.float16) for _ in range(LAYERS)]
+    return k, v
+
+
+def kv_args(role: str, k: list[torch.Tensor], v: list[torch.Tensor], meta: object) -> object:
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    args = get_kv_class(TransferBackend("kvstream"), KVClassType.KVARGS)()
+    bufs = k + v
+    args.engine_rank = 0
+    args.pp_rank = 0
+    args.kv_data_ptrs = [t.data_ptr() for t in bufs]
+    args.kv_data_lens = [t.nbytes for t in bufs]
+    args.kv_item_lens = [t[0].nbytes * PAGE for t in bufs]
+    args.num_draft_entries = 0
+    args.kv_layer_ids = []
+    args.page_size = PAGE
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
+    args.state_types = []
+    args.ib_device = None
+    args.gpu_id = 0
+    args.kv_cache_dtype_str = "auto"
+    if role == "prefill":
+        args.kv_head_num = HEADS
+        args.total_kv_head_num = HEADS
+        args.prefill_start_layer = 0
+    return args
+
+
+def until(fn, states: set[int], timeout: float = 60.0) -> int:
+    end = time.monotonic() + timeout
+    while True:
+        s = int(fn())
+        if s in states or time.monotonic() > end:
+            return s
+        time.sleep(0.01)
+
+
+def main() -> None:
+    role, scenario, port, rooms, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
+        [int(r) for r in sys.argv[4].split(",")], sys.argv[5]
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        MetadataBuffers,
+        TransferBackend,
+        get_kv_class,
+    )
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    backend = TransferBackend("kvstream")
+    k, v = pools()
+    meta = MetadataBuffers(64, hidden_size=16, hidden_states_dtype=torch.float32,
+                           max_sampling_mask_tokens=16)
+    args = kv_args(role, k, v, meta)
+    server_args = types.SimpleNamespace(tp_size=1, device="cpu", host="127.0.0.1",
+                                        disaggregation_bootstrap_port=port)
+    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
+    addr = f"127.0.0.1:{port}"
+    report: dict[str, object] = {"classes": [type(mgr).__module__ + "." + type(mgr).__name__]}
+    polls: dict[str, object] = {}
+    npages = -(-TOKENS // PAGE)
+    if role == "prefill":
+        cls = get_kv_class(backend, KVClassType.SENDER)
+        for i, room in enumerate(rooms):
+            sender = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+            first = until(sender.poll, {KVPoll.WaitingForInput, KVPoll.Failed})
+            if first == KVPoll.Failed:
+                polls[str(room)] = ["bootstrap", int(first)]
+                continue
+            aux_index = 3 + i
+            sender.init(npages, aux_index)
+            # Its pages: any free ones of the pool (SGLang's allocator), page 0 is padding.
+            page_ids = [7 + 2 * j + i for j in range(npages)]
+            for j, p in enumerate(page_ids):
+                for t in (*k, *v):
+                    t[p * PAGE:(p + 1) * PAGE] = pattern(room, j)
+            meta.output_ids[aux_index, 0] = room % 1000
+            meta.cached_tokens[aux_index, 0] = 11
+            meta.bootstrap_room[aux_index, 0] = room  # set_buf writes the room last
+            token_ids = torch.tensor([p * PAGE + t for p in page_ids for t in range(PAGE)]
+                                     )[:TOKENS]
+            pages = kv_to_page_indices(token_ids, PAGE).astype(np.int32)
+            assert list(pages) == page_ids
+            if sender.should_send_kv_chunk(2, False):
+                sender.send(pages[:2], None, num_kv_tokens=2 * PAGE)
+            assert sender.should_send_kv_chunk(len(pages) - 2, True)
+            sender.send(pages[2:], [], num_kv_tokens=TOKENS - 2 * PAGE)
+            final = until(sender.poll, {KVPoll.Success, KVPoll.Failed})
+            metric = sender.get_transfer_metric()
+            polls[str(room)] = [int(first), int(final), metric.transfer_total_bytes]
+            if final == KVPoll.Failed:
+                try:
+                    sender.failure_exception()
+                except Exception as exc:  # SGLang logs it
+                    polls[str(room)].append(str(exc))
+            sender.clear()
+            if scenario == "kill" and i == 0:
+                report["polls"] = polls
+                with open(out, "w") as f:
+                    json.dump(report, f)
+                time.sleep(600)  # the test kills this process here
+    else:
+        cls = get_kv_class(backend, KVClassType.RECEIVER)
+        end = time.monotonic() + 30
+        while not mgr.try_ensure_parallel_info(addr) and time.monotonic() < end:
+            time.sleep(0.1)
+        for i, room in enumerate(rooms):
+            rx = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+            assert int(rx.poll()) == KVPoll.Bootstrapping
+            rx.init(0)
+            assert int(rx.poll()) == KVPoll.WaitingForInput
+            aux_index = 10 + i
+            page_ids = [20 + 2 * j + i for j in range(npages)]
+            rx.send_metadata(np.array(page_ids, dtype=np.int32), aux_index, None,
+                             decode_prefix_len=0)
+            t0 = time.monotonic()
+            if scenario == "abort_decode":
+                rx.abort()
+                final = int(rx.poll())
+                untouched = all(not t[p * PAGE:(p + 1) * PAGE].any()
+                                for p in page_ids for t in (*k, *v))
+                polls[str(room)] = [final, untouched]
+                rx.clear()
+                continue
+            final = until(rx.poll, {KVPoll.Success, KVPoll.Failed}, timeout=90)
+            took = time.monotonic() - t0
+            exact = final == KVPoll.Success and all(
+                torch.equal(t[p * PAGE:(p + 1) * PAGE], pattern(room, j))
+                for j, p in enumerate(page_ids) for t in (*k, *v))
+            aux = [int(meta.output_ids[aux_index, 0]), int(meta.cached_tokens[aux_index, 0]),
+                   int(meta.bootstrap_room[aux_index, 0])]
+            polls[str(room)] = [final, exact, aux, round(took, 2)]
+            if final == KVPoll.Failed:
+                try:
+                    rx.failure_exception()
+                except Exception as exc:
+                    polls[str(room)].append(str(exc))
+            rx.clear()
+    report["polls"] = polls
+    with open(out, "w") as f:
+        json.dump(report, f)
+    mgr.teardown()
+
+
+if __name__ == "__main__":
+    main()
