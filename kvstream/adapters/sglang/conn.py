@@ -162,7 +162,8 @@ class KVStreamKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self.senders: dict[int, KVStreamKVSender] = {}
         self.receivers: dict[int, KVStreamKVReceiver] = {}
-        self._early: OrderedDict[int, tuple[str, notes.Want]] = OrderedDict()
+        # Notes for rooms whose prefill request is not here yet: a Want, or the Drop of it.
+        self._early: OrderedDict[int, tuple[str, notes.Want | notes.Drop]] = OrderedDict()
         self.dropped = 0  # notes ignored: garbage, unknown rooms, a peer not the request's
         self.rt = AgentRuntime(config, layout, tensors)
         _dispatch(self)
@@ -225,13 +226,16 @@ class KVStreamKVManager(BaseKVManager):
             s = self.senders.get(drop.room)
             r = self.receivers.get(drop.room)
             early = self._early.get(drop.room)
-            if early is not None and early[0] == sender:  # its request is not here yet
-                del self._early[drop.room]
+            if s is None and (early is None or early[0] == sender):
+                # Its request is not here yet: it fails as soon as it is.
+                self._early[drop.room] = (sender, drop)
+                while len(self._early) > MAX_EARLY_WANTS:
+                    self._early.popitem(last=False)
         for side in (s, r):
             if side is not None and side.peer == sender:
                 side.dropped(drop.reason)
 
-    def claim_want(self, room: int) -> tuple[str, notes.Want] | None:
+    def claim_want(self, room: int) -> tuple[str, notes.Want | notes.Drop] | None:
         with self._lock:
             return self._early.pop(room, None)
 
@@ -384,7 +388,12 @@ class KVStreamKVSender(_Side, BaseKVSender):
             mgr.senders[self.room] = self
         early = mgr.claim_want(self.room)
         if early is not None:
-            self.wanted(*early)
+            peer, note = early
+            if isinstance(note, notes.Drop):
+                self.peer = peer
+                self.dropped(note.reason)
+            else:
+                self.wanted(peer, note)
 
     def wanted(self, sender: str, want: notes.Want) -> None:
         if self.want is not None:  # the first decode rank's; another is not this request's
