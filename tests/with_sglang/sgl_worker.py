@@ -4,17 +4,25 @@ real kvstream backend classes (looked up through SGLang's own ``get_kv_class`` a
 a V buffer of ``[size + page_size, heads, head_dim]``, K of every layer first) and SGLang's
 own ``MetadataBuffers`` for the aux rows.
 
-    python -m tests.with_sglang.sgl_worker {prefill,decode} SCENARIO PORT ROOMS OUT
+    python -m tests.with_sglang.sgl_worker {prefill,decode} SCENARIO PORT ROOMS OUT \
+        [--rank R --tp T --mla --draft --model-dir DIR]
 
-Page ``k`` of a room holds a pattern of (room, k) on the prefill; the decode checks every
-byte of its pages and the aux row. The result (each room's last poll, what was checked) is
-written to OUT as JSON. Scenarios: ``ok``, ``abort_decode`` (the decode aborts after its
-metadata, before the prefill sends), ``kill`` (the prefill sleeps after its first room so
-the test can kill it; the decode's next room must fail within the peer timeout).
+Page ``k`` of a room holds a pattern of (room, k) over the model's KV heads; a prefill
+rank holds its heads of it (as SGLang splits them over TP), and a decode rank checks
+every byte of its own heads of its pages and the aux row. The result (each room's last
+poll, what was checked) is written to OUT as JSON. Scenarios: ``ok``, ``abort_decode``
+(the decode aborts after its metadata, before the prefill sends), ``kill`` (the prefill
+sleeps after its first room so the test can kill it; the decode's next room must fail
+within the peer timeout), ``ask`` (a decode that asks for each room read from stdin,
+for SGLang's own sender tests). The prefill's ``KVArgs`` carry its heads (as SGLang 0.5.23's
+prefill sets them); with ``--model-dir`` the decode gets a real ``ServerArgs`` for that
+model and no heads in its ``KVArgs`` (as SGLang 0.5.23's decode), so the backend reads
+them from SGLang's model config.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -24,31 +32,45 @@ import numpy as np
 import torch
 
 LAYERS, HEADS, DIM, PAGE, SIZE = 3, 2, 16, 16, 32 * 16  # SIZE tokens of pool per layer
+MLA_DIM = 24  # MLA's latent per token (one "head")
 TOKENS = 70  # a partial last page: 5 pages
 
 
-def pattern(room: int, k: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed((room * 131 + k) % (1 << 62))
-    return torch.randn(PAGE, HEADS, DIM, generator=gen).half()
+class Model:
+    """The KV heads of this rank: MHA ``HEADS`` model-wide over TP, or MLA's one latent."""
+
+    def __init__(self, rank: int, tp: int, mla: bool) -> None:
+        from kvstream.transfer.ranks import heads
+
+        self.mla = mla
+        self.heads = range(1) if mla else heads(rank, tp, HEADS)
+        self.dim = MLA_DIM if mla else DIM
+
+    def pattern(self, room: int, k: int) -> torch.Tensor:
+        """Page ``k`` of ``room``, this rank's heads of it."""
+        gen = torch.Generator().manual_seed((room * 131 + k) % (1 << 62))
+        full = torch.randn(PAGE, 1 if self.mla else HEADS, self.dim, generator=gen).half()
+        return full[:, self.heads.start:self.heads.stop]
+
+    def pools(self, draft: bool = False) -> list[torch.Tensor]:
+        """SGLang's buffers: MHA K of every layer, then V; MLA one per layer; then a
+        one-layer speculative draft's (its K, its V), as SGLang appends them."""
+        n = (LAYERS if self.mla else 2 * LAYERS) + (2 if draft else 0)
+        return [torch.zeros(SIZE + PAGE, len(self.heads), self.dim, dtype=torch.float16)
+                for _ in range(n)]
 
 
-def pools() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    k = [torch.zeros(SIZE + PAGE, HEADS, DIM, dtype=torch.float16) for _ in range(LAYERS)]
-    v = [torch.zeros(SIZE + PAGE, HEADS, DIM, dtype=torch.float16) for _ in range(LAYERS)]
-    return k, v
-
-
-def kv_args(role: str, k: list[torch.Tensor], v: list[torch.Tensor], meta: object) -> object:
+def kv_args(role: str, bufs: list[torch.Tensor], meta: object, rank: int,
+            model: Model, heads_told: bool) -> object:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     args = get_kv_class(TransferBackend("kvstream"), KVClassType.KVARGS)()
-    bufs = k + v
-    args.engine_rank = 0
+    args.engine_rank = rank
     args.pp_rank = 0
     args.kv_data_ptrs = [t.data_ptr() for t in bufs]
     args.kv_data_lens = [t.nbytes for t in bufs]
     args.kv_item_lens = [t[0].nbytes * PAGE for t in bufs]
-    args.num_draft_entries = 0
+    args.num_draft_entries = len(bufs) - (LAYERS if model.mla else 2 * LAYERS)
     args.kv_layer_ids = []
     args.page_size = PAGE
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
@@ -56,9 +78,10 @@ def kv_args(role: str, k: list[torch.Tensor], v: list[torch.Tensor], meta: objec
     args.ib_device = None
     args.gpu_id = 0
     args.kv_cache_dtype_str = "auto"
-    if role == "prefill":
-        args.kv_head_num = HEADS
+    if heads_told and not model.mla:
+        args.kv_head_num = len(model.heads)
         args.total_kv_head_num = HEADS
+    if role == "prefill":
         args.prefill_start_layer = 0
     return args
 
@@ -72,9 +95,29 @@ def until(fn, states: set[int], timeout: float = 60.0) -> int:
         time.sleep(0.01)
 
 
+def server_args(role: str, tp: int, port: int, model_dir: str | None) -> object:
+    if model_dir is None:
+        return types.SimpleNamespace(tp_size=tp, device="cpu", host="127.0.0.1",
+                                     disaggregation_bootstrap_port=port)
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, host="127.0.0.1",
+                      disaggregation_bootstrap_port=port, skip_tokenizer_init=True,
+                      disaggregation_mode=role)
+
+
 def main() -> None:
-    role, scenario, port, rooms, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
-        [int(r) for r in sys.argv[4].split(",")], sys.argv[5]
+    cli = argparse.ArgumentParser()
+    for name in ("role", "scenario", "port", "rooms", "out"):
+        cli.add_argument(name)
+    cli.add_argument("--rank", type=int, default=0)
+    cli.add_argument("--tp", type=int, default=1)
+    cli.add_argument("--mla", action="store_true")
+    cli.add_argument("--draft", action="store_true")
+    cli.add_argument("--model-dir")
+    a = cli.parse_args()
+    role, scenario, port, out = a.role, a.scenario, int(a.port), a.out
+    rooms = [int(r) for r in a.rooms.split(",")]
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -89,22 +132,26 @@ def main() -> None:
     from sglang.srt.mem_cache.common import kv_to_page_indices
 
     backend = TransferBackend("kvstream")
-    k, v = pools()
+    model = Model(a.rank, a.tp, a.mla)
+    bufs = model.pools(a.draft)
     meta = MetadataBuffers(64, hidden_size=16, hidden_states_dtype=torch.float32,
                            max_sampling_mask_tokens=16)
-    args = kv_args(role, k, v, meta)
-    server_args = types.SimpleNamespace(tp_size=1, device="cpu", host="127.0.0.1",
-                                        disaggregation_bootstrap_port=port)
+    args = kv_args(role, bufs, meta, a.rank, model,
+                   heads_told=role == "prefill" or a.model_dir is None)
+    sargs = server_args(role, a.tp, port, a.model_dir if role == "decode" else None)
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
+    mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sargs, a.mla)
     addr = f"127.0.0.1:{port}"
-    report: dict[str, object] = {"classes": [type(mgr).__module__ + "." + type(mgr).__name__]}
+    report: dict[str, object] = {"classes": [type(mgr).__module__ + "." + type(mgr).__name__],
+                                 "heads": [mgr.agent.memory.layout.num_kv_heads,
+                                           mgr.total_kv_heads]}
     polls: dict[str, object] = {}
     npages = -(-TOKENS // PAGE)
     if role == "prefill":
         cls = get_kv_class(backend, KVClassType.SENDER)
         for i, room in enumerate(rooms):
-            sender = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+            sender = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room,
+                         dest_tp_ranks=[a.rank], pp_rank=0)
             first = until(sender.poll, {KVPoll.WaitingForInput, KVPoll.Failed})
             if first == KVPoll.Failed:
                 polls[str(room)] = ["bootstrap", int(first)]
@@ -114,8 +161,8 @@ def main() -> None:
             # Its pages: any free ones of the pool (SGLang's allocator), page 0 is padding.
             page_ids = [7 + 2 * j + i for j in range(npages)]
             for j, p in enumerate(page_ids):
-                for t in (*k, *v):
-                    t[p * PAGE:(p + 1) * PAGE] = pattern(room, j)
+                for t in bufs:
+                    t[p * PAGE:(p + 1) * PAGE] = model.pattern(room, j)
             meta.output_ids[aux_index, 0] = room % 1000
             meta.cached_tokens[aux_index, 0] = 11
             meta.bootstrap_room[aux_index, 0] = room  # set_buf writes the room last
@@ -146,6 +193,16 @@ def main() -> None:
         end = time.monotonic() + 30
         while not mgr.try_ensure_parallel_info(addr) and time.monotonic() < end:
             time.sleep(0.1)
+        if scenario == "ask":  # for SGLang's own sender tests: ask for each room read
+            print("ready", flush=True)
+            held = []
+            for line in sys.stdin:
+                rx = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=int(line))
+                rx.init(0)
+                rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), 1, None)
+                held.append(rx)
+            mgr.teardown()
+            return
         for i, room in enumerate(rooms):
             rx = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
             assert int(rx.poll()) == KVPoll.Bootstrapping
@@ -160,15 +217,15 @@ def main() -> None:
                 rx.abort()
                 final = int(rx.poll())
                 untouched = all(not t[p * PAGE:(p + 1) * PAGE].any()
-                                for p in page_ids for t in (*k, *v))
+                                for p in page_ids for t in bufs)
                 polls[str(room)] = [final, untouched]
                 rx.clear()
                 continue
             final = until(rx.poll, {KVPoll.Success, KVPoll.Failed}, timeout=90)
             took = time.monotonic() - t0
             exact = final == KVPoll.Success and all(
-                torch.equal(t[p * PAGE:(p + 1) * PAGE], pattern(room, j))
-                for j, p in enumerate(page_ids) for t in (*k, *v))
+                torch.equal(t[p * PAGE:(p + 1) * PAGE], model.pattern(room, j))
+                for j, p in enumerate(page_ids) for t in bufs)
             aux = [int(meta.output_ids[aux_index, 0]), int(meta.cached_tokens[aux_index, 0]),
                    int(meta.bootstrap_room[aux_index, 0])]
             polls[str(room)] = [final, exact, aux, round(took, 2)]

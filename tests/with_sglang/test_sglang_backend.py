@@ -68,39 +68,50 @@ def test_the_plugin_makes_kvstream_a_backend_choice():
     classes = eval(got)  # a dict literal we printed
     assert classes == {
         "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
-        "manager": "kvstream.adapters.sglang.conn.KVStreamKVManager",
-        "sender": "kvstream.adapters.sglang.conn.KVStreamKVSender",
-        "receiver": "kvstream.adapters.sglang.conn.KVStreamKVReceiver",
-        "bootstrap_server": "kvstream.adapters.sglang.conn.KVStreamBootstrapServer"}
+        "manager": "kvstream.adapters.sglang.manager.KVStreamKVManager",
+        "sender": "kvstream.adapters.sglang.sender.KVStreamKVSender",
+        "receiver": "kvstream.adapters.sglang.receiver.KVStreamKVReceiver",
+        "bootstrap_server": "kvstream.adapters.sglang.manager.KVStreamBootstrapServer"}
     assert fake == "sglang.srt.disaggregation.fake.conn.FakeKVSender"  # others untouched
     assert "'kvstream'" in members and "'mooncake'" in members and "'nixl'" in members
 
 
 def _run(tmp_path: Path, nats_url: str, scenario: str, rooms: list[int], port: int,
-         kill_after_first: bool = False) -> tuple[dict, dict]:
-    out_p, out_d = tmp_path / f"{scenario}-p.json", tmp_path / f"{scenario}-d.json"
+         kill_after_first: bool = False, prefill_tp: int = 1, decode_tp: int = 1,
+         mla: bool = False, model_dir: Path | None = None,
+         draft: bool = False) -> tuple[list[dict], list[dict]]:
+    """Every rank of a prefill and a decode engine, one process each; their reports."""
     cmd = [sys.executable, "-m", "tests.with_sglang.sgl_worker"]
     roomlist = ",".join(map(str, rooms))
-    p = subprocess.Popen([*cmd, "prefill", scenario, str(port), roomlist, str(out_p)],
-                         env=_env(nats_url), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    d = subprocess.Popen([*cmd, "decode", scenario, str(port), roomlist, str(out_d)],
-                         env=_env(nats_url), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    procs: dict[tuple[str, int], subprocess.Popen] = {}
+    outs: dict[tuple[str, int], Path] = {}
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        for rank in range(tp):
+            out = outs[role, rank] = tmp_path / f"{scenario}-{role}{rank}.json"
+            extra = ["--rank", str(rank), "--tp", str(tp)] + (["--mla"] if mla else []) + (
+                ["--draft"] if draft else []) + (
+                ["--model-dir", str(model_dir)] if model_dir is not None else [])
+            procs[role, rank] = subprocess.Popen(
+                [*cmd, role, scenario, str(port), roomlist, str(out), *extra],
+                env=_env(nats_url), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         if kill_after_first:
             end = time.monotonic() + 120
-            while not out_p.exists() and time.monotonic() < end:
+            while not outs["prefill", 0].exists() and time.monotonic() < end:
                 time.sleep(0.1)
-            p.send_signal(signal.SIGKILL)
-        rc_d = d.wait(timeout=240)
-        assert rc_d == 0, d.stderr.read()[-4000:] if d.stderr else rc_d
-        if not kill_after_first:
-            assert p.wait(timeout=60) == 0, p.stderr.read()[-4000:] if p.stderr else ""
+            procs["prefill", 0].send_signal(signal.SIGKILL)
+        for (role, rank), proc in procs.items():
+            if role == "prefill" and kill_after_first:
+                continue
+            rc = proc.wait(timeout=240)
+            assert rc == 0, (role, rank, proc.stderr.read()[-4000:] if proc.stderr else rc)
     finally:
-        for proc in (p, d):
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return json.loads(out_p.read_text()), json.loads(out_d.read_text())
+    return ([json.loads(outs["prefill", r].read_text()) for r in range(prefill_tp)],
+            [json.loads(outs["decode", r].read_text()) for r in range(decode_tp)])
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +122,8 @@ def nats_url():
 
 def test_pages_and_aux_row_arrive_in_sglang_order(tmp_path, nats_url):
     rooms = [2**63 - 17, 9_000_001]  # SGLang draws rooms below 2**63
-    pre, dec = _run(tmp_path, nats_url, "ok", rooms, 18998)
-    assert dec["classes"] == ["kvstream.adapters.sglang.conn.KVStreamKVManager"]
+    (pre,), (dec,) = _run(tmp_path, nats_url, "ok", rooms, 18998)
+    assert dec["classes"] == ["kvstream.adapters.sglang.manager.KVStreamKVManager"]
     page_bytes = 16 * 2 * 16 * 2  # a page of one buffer: 16 tokens x 2 heads x 16 fp16
     for room in rooms:
         first, final, nbytes = pre["polls"][str(room)]
@@ -123,9 +134,20 @@ def test_pages_and_aux_row_arrive_in_sglang_order(tmp_path, nats_url):
         assert aux == [room % 1000, 11, room], dec  # the aux row, its room last
 
 
+def test_speculative_draft_kv_moves_with_the_pages(tmp_path, nats_url):
+    """SGLang appends a draft model's K/V buffers to the target's (same page ids): they
+    move byte for byte with them, the one-layer draft's pages checked like the rest."""
+    rooms = [6_000_001]
+    (pre,), (dec,) = _run(tmp_path, nats_url, "ok", rooms, 19050, draft=True)
+    got, exact, aux, _ = dec["polls"][str(rooms[0])]
+    assert got == SUCCESS and exact and aux == [1, 11, rooms[0]], dec
+    page_bytes = 16 * 2 * 16 * 2
+    assert pre["polls"][str(rooms[0])][2] == 5 * page_bytes * 2 * (3 + 1), pre
+
+
 def test_an_aborted_decode_request_fails_on_both_sides_and_writes_nothing(tmp_path, nats_url):
     rooms = [31, 32]
-    pre, dec = _run(tmp_path, nats_url, "abort_decode", rooms, 18999)
+    (pre,), (dec,) = _run(tmp_path, nats_url, "abort_decode", rooms, 18999)
     for room in rooms:
         assert dec["polls"][str(room)] == [FAILED, True], dec
         # The prefill heard the Drop: its sender fails (while waiting, or at its offer).
@@ -135,7 +157,7 @@ def test_an_aborted_decode_request_fails_on_both_sides_and_writes_nothing(tmp_pa
 def test_a_killed_prefill_fails_the_waiting_decode_within_the_peer_timeout(tmp_path,
                                                                            nats_url):
     rooms = [41, 42]
-    pre, dec = _run(tmp_path, nats_url, "kill", rooms, 19000, kill_after_first=True)
+    (pre,), (dec,) = _run(tmp_path, nats_url, "kill", rooms, 19000, kill_after_first=True)
     assert pre["polls"]["41"][:2] == [WAITING, SUCCESS], pre
     assert dec["polls"]["41"][:2] == [SUCCESS, True], dec
     final, exact, _, took = dec["polls"]["42"][:4]
@@ -143,3 +165,40 @@ def test_a_killed_prefill_fails_the_waiting_decode_within_the_peer_timeout(tmp_p
     # The registry declares a silent peer dead after peer_timeout_s; the poll sees it then.
     # Margin: 10x for heartbeats and a loaded 2-core machine.
     assert took < PEER_TIMEOUT_S * 10, dec
+
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "vocab_size": 256, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "torch_dtype": "float16"}  # the worker's 2 KV heads
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "mla"), [
+    (2, 1, False),  # a gather: the decode rank takes one head from each prefill rank
+    (1, 2, False),  # a shared offer: each decode rank pulls its head of the one offer
+    (2, 1, True),   # MLA: the latent from prefill rank 0; rank 1 is told it is not read
+    (1, 2, True),   # MLA: both decode ranks read rank 0's one offer
+])
+def test_pages_move_between_engines_of_other_tp_degrees(tmp_path, nats_url, prefill_tp,
+                                                        decode_tp, mla):
+    """Every decode rank gets every byte of its heads of every page and the aux row; every
+    prefill rank succeeds (a rank not read, once it computed). The decode reads its KV
+    head count from SGLang's own model config (0.5.23's decode KVArgs carry none)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    rooms = [5_000_017, 5_000_018]
+    port = 19100 + 10 * prefill_tp + decode_tp + (5 if mla else 0)
+    pre, dec = _run(tmp_path, nats_url, "ok", rooms, port, prefill_tp=prefill_tp,
+                    decode_tp=decode_tp, mla=mla, model_dir=None if mla else model)
+    for rank, report in enumerate(dec):
+        assert report["heads"] == ([1, 0] if mla else [2 // decode_tp, 2]), report
+        for room in rooms:
+            got, exact, aux, _ = report["polls"][str(room)]
+            assert got == SUCCESS and exact, (rank, report)
+            assert aux == [room % 1000, 11, room], (rank, report)
+    for rank, report in enumerate(pre):
+        for room in rooms:
+            assert report["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, report)
+    if mla and prefill_tp > decode_tp:  # rank 1 was not read: nothing left it
+        assert not pre[1]["polls"][str(rooms[0])][2], pre  # no bytes (SGLang: None)

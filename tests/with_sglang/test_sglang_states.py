@@ -42,11 +42,17 @@ class _Mgr:
         self.tp_size, self.rank = 1, 0
         self.bootstrap_timeout_s = self.waiting_timeout_s = 300.0
         self.drain_timeout_s = 1.0
-        self.prefill_info_table = {"127.0.0.1:9": types.SimpleNamespace(tp_size=1, dp_size=1)}
+        self.prefill_info_table = {"127.0.0.1:9": types.SimpleNamespace(
+            tp_size=1, dp_size=1, mla=False, page_size=16, total_kv_heads=2)}
         self.device = "cpu"
+        self.opaque, self.total_kv_heads, self.is_mla = None, 2, False
+        self.kv_dtype, self.page_size = "auto/auto", 16
 
-    def claim_want(self, room):
-        return None
+    def claim_early(self, room):
+        return []
+
+    def is_decode(self, sender):
+        return sender.startswith("dec")
 
     def send_note(self, peer, note):
         self.sent.append((peer, note))
@@ -59,7 +65,7 @@ def test_sender_states_before_and_after_init():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=5)
     assert s.poll() == KVPoll.Bootstrapping
-    s.wanted("dec", notes.Want(room=5, pages=3, prefix_len=32))
+    s.heard("dec", notes.Want(room=5, pages=3, prefix_len=32))
     assert s.poll() == KVPoll.WaitingForInput and s.pop_decode_prefix_len() == 32
     s.init(3, 0)
     assert s.poll() == KVPoll.WaitingForInput  # computing; never Bootstrapping again
@@ -76,17 +82,58 @@ def test_sender_states_before_and_after_init():
 
 
 def test_a_want_from_another_tp_degree_is_answered_with_drop():
+    """Without a head count (SGLang told none), only equal TP degrees move."""
     mgr = _Mgr()
+    mgr.opaque = "SGLang told this rank no KV head count (kv_head_num)"
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=6)
-    s.wanted("dec", notes.Want(room=6, pages=1, tp_rank=1, tp_size=2))
-    assert s.poll() == KVPoll.Failed and "equal TP" in s.failure
+    s.heard("dec", notes.Want(room=6, pages=1, tp_rank=1, tp_size=2, readers=2))
+    assert s.poll() == KVPoll.Failed and "equal TP" in s.failure and "kv_head_num" in s.failure
     assert mgr.sent and mgr.sent[0][0] == "dec"
+
+
+def test_wants_that_do_not_fit_the_rank_plan_are_dropped():
+    """A decode rank of TP 2 reads its head of this TP 1 rank's offer, one of 2 readers:
+    a Want that says otherwise (readers, the role, a rank past its TP, a peer that is no
+    decode instance, other page counts than the first reader's) is dropped, not obeyed."""
+    mgr = _Mgr()
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=16)
+    for bad in (notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=1),
+                notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2, read=False),
+                notes.Want(room=16, pages=2, tp_rank=2, tp_size=2, readers=2)):
+        s.heard("dec0", bad)
+    s.heard("prefill-x", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2))
+    assert mgr.dropped == 4 and s.poll() == KVPoll.Bootstrapping
+    s.heard("dec0", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2))
+    s.heard("dec1", notes.Want(room=16, pages=3, tp_rank=1, tp_size=2, readers=2))
+    assert mgr.dropped == 5 and list(s.wants) == ["dec0"]
+    s.heard("dec1", notes.Want(room=16, pages=2, tp_rank=1, tp_size=2, readers=2))
+    assert list(s.wants) == ["dec0", "dec1"] and s.poll() == KVPoll.WaitingForInput
+
+
+def test_a_decode_of_another_kv_dtype_fails_the_request():
+    mgr = _Mgr()
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=17)
+    s.heard("dec", notes.Want(room=17, pages=1, kv_dtype="fp8_e4m3/auto"))
+    assert s.poll() == KVPoll.Failed and "fp8_e4m3/auto" in s.failure
+
+
+def test_a_rank_asked_but_not_read_succeeds_once_computed():
+    """MLA over prefill TP 2, decode TP 1: rank 1's latent is not read; it is done once
+    its last chunk is in (nothing offered, nothing told)."""
+    mgr = _Mgr()
+    mgr.tp_size, mgr.rank, mgr.is_mla, mgr.total_kv_heads = 2, 1, True, 0
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=18)
+    s.heard("dec", notes.Want(room=18, pages=2, read=False))
+    assert s.poll() == KVPoll.WaitingForInput
+    s.init(2, 0)
+    s.send([3, 4], [], num_kv_tokens=20)
+    assert s.poll() == KVPoll.Success and mgr.sent == []
 
 
 def test_another_ranks_failure_stops_this_rank_and_says_so():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=7)
-    s.wanted("dec", notes.Want(room=7, pages=1))
+    s.heard("dec", notes.Want(room=7, pages=1))
     with pytest.raises(Exception, match="another rank") as info:
         s.failure_exception()  # this rank saw no failure: the all-reduce did
     assert info.value.is_from_another_rank is True
@@ -96,11 +143,11 @@ def test_another_ranks_failure_stops_this_rank_and_says_so():
 def test_a_concluded_success_is_not_failed_by_a_late_drop():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=8)
-    s.wanted("dec", notes.Want(room=8, pages=1))
+    s.heard("dec", notes.Want(room=8, pages=1))
     s.init(1, 0)
     s.result = object()  # the offer completed
     assert s.poll() == KVPoll.Success
-    s.dropped("late")
+    s.dropped("dec", "late")
     assert s.poll() == KVPoll.Success and s.failure is None
 
 
@@ -114,5 +161,5 @@ def test_receiver_states_before_metadata_and_a_drop_from_a_stranger():
     assert r.poll() == KVPoll.Failed  # nothing streamed: stopped at once
     r2 = KVStreamKVReceiver(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=10)
     r2.init(0)
-    r2.readied(notes.Ready(room=10, secret="s" * 16, tokens=1, pages=1))  # before metadata
+    r2.readied(r2.srcs[0], notes.Ready(room=10, secret="s" * 16, tokens=1, pages=1))  # early
     assert r2.ready is None and r2.poll() == KVPoll.WaitingForInput

@@ -3,11 +3,13 @@
 SGLang hands a backend ``(ptr, total_len, item_len)`` per buffer: MHA pools one K buffer
 per layer, then one V buffer per layer (``2 * L``), MLA pools one per layer, an item one
 page of ``page_size`` tokens (``memory_pool.get_contiguous_buf_infos``); the aux
-(metadata) buffers are host tensors with one row per request. The decode side is not
-told the heads or dtype, so a page is described by its bytes: a token's row of one buffer
-is ``item_len / page_size`` bytes, ``uint8`` with one "head" (``kvs_layout``). Equal pools
-on both sides (the same model, TP degree and page size) then move verbatim, and a pair
-that differs has another fingerprint: refused before a byte moves, never misread.
+(metadata) buffers are host tensors with one row per request. A backend is told the heads
+a rank holds (``kv_head_num``, MHA) but not the dtype, so a page is described by its
+bytes: a token's row of one buffer is ``item_len / page_size`` bytes, ``kv_head_num``
+"heads" of ``uint8`` (``kvs_layout``). Equal pools on both sides move verbatim; a decode
+of another TP degree takes its heads through kvstream's transfer plans, byte for byte
+(the two sides' dtypes are checked to agree: ``notes.Want.kv_dtype``); any other pair
+has another fingerprint or head size: refused before a byte moves, never misread.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def wrap(ptr: int, nbytes: int, device: str, gpu_id: int = 0) -> torch.Tensor:
 
 
 def kvs_layout(lens: Sequence[int], item_lens: Sequence[int], page_size: int,
-               mla: bool) -> tuple[KVLayout, int]:
-    """The layout of SGLang's KV buffers and how many pages each holds."""
+               mla: bool, heads: int = 1) -> tuple[KVLayout, int]:
+    """The layout of SGLang's KV buffers (MHA: ``heads`` per token row) and how many pages
+    each holds."""
     n = len(lens)
     if n == 0 or len(item_lens) != n or (not mla and n % 2):
         raise AdapterError(f"{n} KV buffers ({'MLA' if mla else 'MHA: K and V per layer'})")
@@ -57,9 +60,13 @@ def kvs_layout(lens: Sequence[int], item_lens: Sequence[int], page_size: int,
         raise AdapterError(f"KV buffers of {sorted(set(lens))} bytes are not whole pages of "
                            f"{item}")
     row = item // page_size
+    heads = 1 if mla else heads
+    if heads < 1 or row % heads:
+        raise AdapterError(f"a token row of {row} bytes does not hold {heads} KV heads")
     layers = n if mla else n // 2
-    layout = KVLayout(num_layers=layers, num_kv_heads=1, head_dim=row, block_size=page_size,
-                      dtype="uint8", arrangement="mla" if mla else "split_nhd")
+    layout = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=row // heads,
+                      block_size=page_size, dtype="uint8",
+                      arrangement="mla" if mla else "split_nhd")
     return layout, pages.pop()
 
 

@@ -28,15 +28,22 @@ Room = Annotated[int, msgspec.Meta(ge=0)]  # a uint64 (checked in ``decode``)
 Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
 
 
+Tp = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+
 class Want(msgspec.Struct, frozen=True, kw_only=True):
-    """Decode rank ``tp_rank`` of ``tp_size`` allocated ``pages`` pages for ``room``."""
+    """Decode rank ``tp_rank`` of ``tp_size`` allocated ``pages`` pages for ``room``, and
+    reads this prefill rank's KV (``read``; False: none of it is needed, the rank is done
+    once it computed: a replica another rank sends, MLA's latent read elsewhere)."""
 
     room: Room
     pages: Small
     prefix_len: Small = 0  # tokens the decode's radix cache already holds
     tp_rank: Small = 0
-    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    readers: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1  # decode ranks reading this rank
+    tp_size: Tp = 1
+    readers: Tp = 1  # decode ranks reading this prefill rank (each its heads)
+    read: bool = True
+    kv_dtype: Annotated[str, msgspec.Meta(max_length=64)] = ""  # SGLang's KV cache dtype
 
 
 class Ready(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,10 +58,14 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Drop(msgspec.Struct, frozen=True, kw_only=True):
-    """The sender gave ``room`` up (aborted, failed): fail it at once."""
+    """The sender gave ``room`` up (aborted, failed): fail it at once. From a decode rank,
+    its ``tp_rank`` of ``tp_size``: a prefill rank it never asked can check it is one of
+    the ranks it would have."""
 
     room: Room
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    tp_rank: Small = 0
+    tp_size: Tp = 1
 
 
 _enc: Final = msgspec.msgpack.Encoder()

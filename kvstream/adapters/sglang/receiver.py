@@ -1,0 +1,201 @@
+"""The decode side of one request: SGLang's ``BaseKVReceiver`` over a kvstream pull.
+
+``init`` plans which prefill ranks this rank turns to (``transfer.ranks.asks``: the same
+TP degree, one rank; a lower one, a gather of heads from several; a higher one, its
+heads of one rank's offer shared with sibling ranks; MLA, the latent from one rank);
+``send_metadata`` tells each the pages are allocated (``Want``, and whether it is read);
+once every rank read has answered ``Ready``, one pull (or gather) moves the KV; ``poll()``
+writes the aux row (the room last) once every page landed and only then says ``Success``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
+
+from kvstream._exceptions import AdapterError, KVStreamError
+from kvstream.adapters.sglang import notes
+from kvstream.adapters.sglang.manager import KVStreamKVManager, instance_for
+from kvstream.adapters.sglang.side import Side, rid
+from kvstream.transfer import ranks
+
+__all__ = ["KVStreamKVReceiver"]
+
+
+class KVStreamKVReceiver(Side, BaseKVReceiver):
+    side = "decode"
+    require_staging = False
+
+    def __init__(self, mgr: KVStreamKVManager, bootstrap_addr: str,
+                 bootstrap_room: int | None = None, **_: Any) -> None:
+        self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
+        self.room = int(bootstrap_room or 0)
+        self._init_side()
+        self.abort_notified = False
+        self.asked: dict[str, bool] = {}  # prefill rank instance -> read from it
+        self.srcs: list[str] = []  # those read, in rank order (a gather's parts)
+        self.readers = 1  # decode ranks sharing the one source's offer (decode TP above)
+        self.prefill_tp = mgr.tp_size
+        self.inited = False
+        self.pages: list[int] | None = None
+        self.aux_index: int | None = None
+        self.sent_at = 0.0
+        self.readys: dict[str, notes.Ready] = {}
+        self.ready: notes.Ready | None = None  # the first source's, once all answered
+        self.handle: Any = None
+        self.result: Any = None
+        self._starting: anyio.Event | None = None
+        with mgr._lock:
+            mgr.receivers[self.room] = self
+
+    def peers(self) -> list[str]:
+        return list(self.asked)
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        mgr = self.kv_mgr
+        info = mgr.prefill_info_table.get(self.bootstrap_addr)
+        tp = info.tp_size if info is not None else mgr.tp_size
+        total = mgr.total_kv_heads
+        why = None
+        if info is not None and info.mla != mgr.is_mla:
+            why = "an MLA pool on one side and K/V pools on the other"
+        elif info is not None and info.page_size and info.page_size != mgr.page_size:
+            why = (f"page size mismatch: the prefill's page_size={info.page_size}, this "
+                   f"decode's {mgr.page_size}: both servers must use the same --page-size")
+        elif info is not None and not mgr.is_mla and info.total_kv_heads != total and \
+                mgr.opaque is None:
+            why = f"the prefill's model has {info.total_kv_heads} KV heads, this one {total}"
+        elif tp != mgr.tp_size and mgr.opaque is not None:
+            why = (f"prefill TP {tp}, decode TP {mgr.tp_size}, and {mgr.opaque}: its pages "
+                   "move only between equal TP degrees")
+        elif not mgr.is_mla:
+            why = ranks.refusal(tp, mgr.tp_size, total)
+        self.prefill_tp = tp
+        if why is None:
+            asks = ranks.asks(mgr.rank, tp, mgr.tp_size, 0 if mgr.is_mla else total)
+            self.asked = {instance_for(self.bootstrap_addr, p): read for p, read in asks.items()}
+            self.srcs = [inst for inst, read in self.asked.items() if read]
+            if len(self.srcs) == 1:
+                self.readers = ranks.readers(next(p for p, r in asks.items() if r), tp,
+                                             mgr.tp_size)
+        else:
+            self.asked = {instance_for(self.bootstrap_addr, mgr.rank % tp): False}
+        self.inited = True
+        if why is not None:
+            self.fail(why)
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None,
+                      state_indices: Any = None, decode_prefix_len: int | None = None,
+                      **_: Any) -> None:
+        if self.failure is not None:
+            return
+        if state_indices:
+            self.fail("side state (state_indices) is not moved by kvstream yet")
+            return
+        mgr = self.kv_mgr
+        self.pages = [int(i) for i in kv_indices]
+        self.aux_index = aux_index
+        self.sent_at = time.monotonic()
+        for peer, read in self.asked.items():
+            mgr.send_note(peer, notes.Want(
+                room=self.room, pages=len(self.pages), prefix_len=int(decode_prefix_len or 0),
+                tp_rank=mgr.rank, tp_size=mgr.tp_size, read=read,
+                readers=self.readers if read else 1, kv_dtype=mgr.kv_dtype))
+
+    def readied(self, sender: str, ready: notes.Ready) -> None:
+        """On the agent's loop: a prefill rank read offered its pages; pull once all did."""
+        if self.failure is not None or self.ready is not None or self.pages is None or \
+                sender in self.readys:
+            return
+        if ready.pages != len(self.pages):
+            self.fail(f"{sender} offers {ready.pages} pages for {len(self.pages)} allocated")
+            return
+        self.readys[sender] = ready
+        if len(self.readys) < len(self.srcs):
+            return
+        self.ready = self.readys[self.srcs[0]]  # every rank wrote the same aux row
+        if ready.pages:
+            self._starting = anyio.Event()
+            self.kv_mgr.rt.spawn(self._pull)
+
+    async def _pull(self) -> None:
+        mgr = self.kv_mgr
+        if self.pages is None or self._starting is None:  # readied() set them
+            raise AdapterError("a pull before the prefill's Ready")
+        srcs = self.srcs
+        try:
+            if len(srcs) == 1:
+                self.handle = await mgr.agent.pull(
+                    rid(self.room), srcs[0], self.pages, mode="eager",
+                    secret=self.readys[srcs[0]].secret, readers=self.readers)
+            else:  # a gather of heads
+                self.handle = await mgr.agent.pull(
+                    rid(self.room), srcs, self.pages, mode="eager",
+                    secret=[self.readys[s].secret for s in srcs])
+        except KVStreamError as exc:
+            self.fail(f"the pull from {','.join(srcs)} failed: {exc}")
+            return
+        finally:
+            self._starting.set()
+        if self.failure is not None:  # aborted while it started
+            await self.handle.abort("the decode request was aborted")
+        res = await self.handle.result()
+        if res.ok:
+            self.result = res
+        else:
+            self.fail(f"the pull from {','.join(srcs)} ended {res.status}: {res.reason}")
+
+    def _streaming(self) -> bool:
+        return self._starting is not None and (self.handle is None or not self.handle.done)
+
+    async def _stop(self) -> None:
+        await self._drain()
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self.failure is not None:
+            before = KVPoll.Transferring if self.pages is not None else (
+                KVPoll.WaitingForInput if self.inited else KVPoll.Bootstrapping)
+            return self._failed_poll(before)
+        if not self.inited:
+            return KVPoll.Bootstrapping
+        if self.pages is None:
+            return KVPoll.WaitingForInput
+        ready = self.ready
+        if ready is not None and (self.result is not None or not ready.pages):
+            try:
+                self.kv_mgr.aux.write(int(self.aux_index if self.aux_index is not None else -1),
+                                      ready.aux, self.room)
+            except AdapterError as exc:
+                self.fail(f"the aux row does not fit: {exc}")
+                return self.poll()
+            self.conclude_state = KVPoll.Success
+            return KVPoll.Success
+        gone = [s for s in self.srcs if not self.kv_mgr.alive(s)]
+        if gone and self.result is None:
+            self.fail(f"the prefill rank {gone[0]} is gone")
+            return self.poll()
+        if time.monotonic() - self.sent_at > self.kv_mgr.waiting_timeout_s:
+            self.fail(f"no KV from {','.join(self.srcs)} within "
+                      f"{self.kv_mgr.waiting_timeout_s} s")
+            return self.poll()
+        return KVPoll.Transferring
+
+    async def _drain(self) -> None:
+        """Until nothing of this request can write into its pages any more."""
+        if self._starting is not None:
+            await self._starting.wait()
+        if self.handle is not None and not self.handle.done:
+            await self.handle.abort("the decode request was aborted")
+
+    def clear(self) -> None:
+        with self.kv_mgr._lock:
+            if self.kv_mgr.receivers.get(self.room) is self:
+                del self.kv_mgr.receivers[self.room]
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """SGLang's deferred-release hook: kvstream releases nothing late."""
