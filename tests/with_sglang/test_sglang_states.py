@@ -19,6 +19,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from kvstream.adapters.sglang import notes
 from kvstream.adapters.sglang.conn import KVStreamKVReceiver, KVStreamKVSender
 
+K = b"decode key"  # the key a decode instance signs its notes with
+
 
 class _Rt:
     def on_loop(self) -> bool:
@@ -47,12 +49,21 @@ class _Mgr:
         self.device = "cpu"
         self.opaque, self.total_kv_heads, self.is_mla = None, 2, False
         self.kv_dtype, self.page_size = "auto/auto", 16
+        self.keys: dict = {}  # instance -> the key it announced (default K)
+        self.tps: dict = {}  # instance -> the (rank, size) it announced
+        self.unannounced: set = set()
 
     def claim_early(self, room):
         return []
 
+    def key_of(self, sender):
+        return self.keys.get(sender, K)
+
+    def rank_of(self, sender):
+        return self.tps.get(sender)
+
     def is_decode(self, sender):
-        return sender.startswith("dec")
+        return None if sender in self.unannounced else sender.startswith("dec")
 
     def send_note(self, peer, note):
         self.sent.append((peer, note))
@@ -65,7 +76,7 @@ def test_sender_states_before_and_after_init():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=5)
     assert s.poll() == KVPoll.Bootstrapping
-    s.heard("dec", notes.Want(room=5, pages=3, prefix_len=32))
+    s.heard("dec", notes.Want(room=5, pages=3, prefix_len=32), K)
     assert s.poll() == KVPoll.WaitingForInput and s.pop_decode_prefix_len() == 32
     s.init(3, 0)
     assert s.poll() == KVPoll.WaitingForInput  # computing; never Bootstrapping again
@@ -86,7 +97,7 @@ def test_a_want_from_another_tp_degree_is_answered_with_drop():
     mgr = _Mgr()
     mgr.opaque = "SGLang told this rank no KV head count (kv_head_num)"
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=6)
-    s.heard("dec", notes.Want(room=6, pages=1, tp_rank=1, tp_size=2, readers=2))
+    s.heard("dec", notes.Want(room=6, pages=1, tp_rank=1, tp_size=2, readers=2), K)
     assert s.poll() == KVPoll.Failed and "equal TP" in s.failure and "kv_head_num" in s.failure
     assert mgr.sent and mgr.sent[0][0] == "dec"
 
@@ -100,20 +111,20 @@ def test_wants_that_do_not_fit_the_rank_plan_are_dropped():
     for bad in (notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=1),
                 notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2, read=False),
                 notes.Want(room=16, pages=2, tp_rank=2, tp_size=2, readers=2)):
-        s.heard("dec0", bad)
-    s.heard("prefill-x", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2))
+        s.heard("dec0", bad, K)
+    s.heard("prefill-x", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2), K)
     assert mgr.dropped == 4 and s.poll() == KVPoll.Bootstrapping
-    s.heard("dec0", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2))
-    s.heard("dec1", notes.Want(room=16, pages=3, tp_rank=1, tp_size=2, readers=2))
+    s.heard("dec0", notes.Want(room=16, pages=2, tp_rank=0, tp_size=2, readers=2), K)
+    s.heard("dec1", notes.Want(room=16, pages=3, tp_rank=1, tp_size=2, readers=2), K)
     assert mgr.dropped == 5 and list(s.wants) == ["dec0"]
-    s.heard("dec1", notes.Want(room=16, pages=2, tp_rank=1, tp_size=2, readers=2))
+    s.heard("dec1", notes.Want(room=16, pages=2, tp_rank=1, tp_size=2, readers=2), K)
     assert list(s.wants) == ["dec0", "dec1"] and s.poll() == KVPoll.WaitingForInput
 
 
 def test_a_decode_of_another_kv_dtype_fails_the_request():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=17)
-    s.heard("dec", notes.Want(room=17, pages=1, kv_dtype="fp8_e4m3/auto"))
+    s.heard("dec", notes.Want(room=17, pages=1, kv_dtype="fp8_e4m3/auto"), K)
     assert s.poll() == KVPoll.Failed and "fp8_e4m3/auto" in s.failure
 
 
@@ -123,7 +134,7 @@ def test_a_rank_asked_but_not_read_succeeds_once_computed():
     mgr = _Mgr()
     mgr.tp_size, mgr.rank, mgr.is_mla, mgr.total_kv_heads = 2, 1, True, 0
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=18)
-    s.heard("dec", notes.Want(room=18, pages=2, read=False))
+    s.heard("dec", notes.Want(room=18, pages=2, read=False), K)
     assert s.poll() == KVPoll.WaitingForInput
     s.init(2, 0)
     s.send([3, 4], [], num_kv_tokens=20)
@@ -133,7 +144,7 @@ def test_a_rank_asked_but_not_read_succeeds_once_computed():
 def test_another_ranks_failure_stops_this_rank_and_says_so():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=7)
-    s.heard("dec", notes.Want(room=7, pages=1))
+    s.heard("dec", notes.Want(room=7, pages=1), K)
     with pytest.raises(Exception, match="another rank") as info:
         s.failure_exception()  # this rank saw no failure: the all-reduce did
     assert info.value.is_from_another_rank is True
@@ -143,7 +154,7 @@ def test_another_ranks_failure_stops_this_rank_and_says_so():
 def test_a_concluded_success_is_not_failed_by_a_late_drop():
     mgr = _Mgr()
     s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=8)
-    s.heard("dec", notes.Want(room=8, pages=1))
+    s.heard("dec", notes.Want(room=8, pages=1), K)
     s.init(1, 0)
     s.result = object()  # the offer completed
     assert s.poll() == KVPoll.Success
@@ -163,3 +174,69 @@ def test_receiver_states_before_metadata_and_a_drop_from_a_stranger():
     r2.init(0)
     r2.readied(r2.srcs[0], notes.Ready(room=10, secret="s" * 16, tokens=1, pages=1))  # early
     assert r2.ready is None and r2.poll() == KVPoll.WaitingForInput
+
+
+def test_abort_and_failure_exception_after_a_success_return_at_once():
+    """SGLang may abort a request whose transfer already succeeded: nothing moves, so
+    nothing is waited for (``drain_timeout_s`` would be spent otherwise)."""
+    mgr = _Mgr()
+    mgr.drain_timeout_s = 30.0
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=20)
+    s.heard("dec", notes.Want(room=20, pages=1), K)
+    s.init(1, 0)
+    s.result = object()
+    assert s.poll() == KVPoll.Success
+    s.abort()
+    assert s.stopped.is_set() and s.poll() == KVPoll.Success and mgr.sent == []
+
+
+def test_a_refused_decode_tells_every_prefill_rank():
+    """Another page size: refused at init, and both prefill ranks (TP 2) hear it, not only
+    the one this rank would have read."""
+    mgr = _Mgr()
+    mgr.prefill_info_table["127.0.0.1:9"] = types.SimpleNamespace(
+        tp_size=2, dp_size=1, mla=False, page_size=32, total_kv_heads=2)
+    r = KVStreamKVReceiver(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=21)
+    r.init(0)
+    assert r.poll() == KVPoll.Failed and "page size" in r.failure
+    told = sorted(peer for peer, n in mgr.sent if isinstance(n, notes.Drop))
+    assert len(told) == 2 and told[0].endswith("tp0") and told[1].endswith("tp1")
+
+
+def test_an_opaque_prefill_heeds_a_drop_from_another_tp_degree():
+    mgr = _Mgr()
+    mgr.opaque = "the pages carry speculative draft KV too"
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=22)
+    s.heard("dec", notes.Drop(room=22, reason="refused", tp_rank=1, tp_size=2), K)
+    assert s.poll() == KVPoll.Failed and "refused" in s.failure and mgr.dropped == 0
+
+
+def test_a_want_after_the_failure_is_answered_with_a_drop():
+    """Decode TP 2 over this TP 1 rank: rank 0 gave up before rank 1 asked; rank 1 hears
+    it at once instead of waiting for its timeout."""
+    mgr = _Mgr()
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=23)
+    s.heard("dec0", notes.Want(room=23, pages=2, tp_rank=0, tp_size=2, readers=2), K)
+    s.heard("dec0", notes.Drop(room=23, reason="aborted", tp_rank=0, tp_size=2), K)
+    assert s.failure and mgr.sent == []  # dec0 knows
+    s.heard("dec1", notes.Want(room=23, pages=2, tp_rank=1, tp_size=2, readers=2), K)
+    assert [(p, type(n).__name__) for p, n in mgr.sent] == [("dec1", "Drop")]
+
+
+def test_notes_are_checked_against_the_senders_announcement_and_key():
+    """A note kept until its sender announced itself counts only under the key it came
+    with; a Want must name the rank its sender announced, and one instance per rank."""
+    mgr = _Mgr()
+    mgr.unannounced.add("dec0")
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=24)
+    s.heard("dec0", notes.Want(room=24, pages=2, tp_rank=0, tp_size=2, readers=2), b"forger")
+    assert s.poll() == KVPoll.Bootstrapping and mgr.dropped == 0  # kept
+    mgr.unannounced.clear()  # dec0 announced, with K
+    assert s.poll() == KVPoll.Bootstrapping and mgr.dropped == 1 and not s.wants
+    mgr.tps.update({"dec0": (0, 2), "dec1": (1, 2), "dec9": (1, 2)})
+    s.heard("dec0", notes.Want(room=24, pages=2, tp_rank=1, tp_size=2, readers=2), K)
+    assert mgr.dropped == 2  # it is rank 0
+    s.heard("dec1", notes.Want(room=24, pages=2, tp_rank=1, tp_size=2, readers=2), K)
+    s.heard("dec9", notes.Want(room=24, pages=2, tp_rank=1, tp_size=2, readers=2), K)
+    s.heard("dec9", notes.Drop(room=24, tp_rank=1, tp_size=2), K)
+    assert mgr.dropped == 4 and list(s.wants) == ["dec1"] and s.failure is None

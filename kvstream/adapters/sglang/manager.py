@@ -28,11 +28,13 @@ from kvstream.control.auth import NatsAuth
 from kvstream.transfer import ranks
 from kvstream.transfer.plan import TpInfo
 
-__all__ = ["KVStreamBootstrapServer", "KVStreamKVManager", "instance_for"]
+__all__ = ["Early", "KVStreamBootstrapServer", "KVStreamKVManager", "instance_for"]
 
 log = logging.getLogger("kvstream.sglang")
 
 MAX_EARLY_NOTES = 1 << 14  # notes that arrived before their prefill request (bounded, FIFO)
+
+Early = tuple[str, notes.Want | notes.Drop, bytes]  # (sender, note, the key it signed with)
 
 
 def _timeout(name: str, default: float) -> float:
@@ -94,7 +96,7 @@ def _kv_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int, int]:
 class _Sender(Protocol):
     """What the manager hands a prefill request (``sender.py``)."""
 
-    def heard(self, sender: str, note: notes.Want | notes.Drop) -> None: ...
+    def heard(self, sender: str, note: notes.Want | notes.Drop, key: bytes) -> None: ...
 
 
 class _Receiver(Protocol):
@@ -204,8 +206,9 @@ class KVStreamKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self.senders: dict[int, _Sender] = {}
         self.receivers: dict[int, _Receiver] = {}
-        # Notes for rooms whose prefill request is not here yet: Wants, or a Drop.
-        self._early: OrderedDict[int, list[tuple[str, notes.Want | notes.Drop]]] = OrderedDict()
+        # Notes for rooms whose prefill request is not here yet: Wants, or a Drop, with the
+        # key their sender signed them with.
+        self._early: OrderedDict[int, list[Early]] = OrderedDict()
         self._early_count = 0
         self.dropped = 0  # notes ignored: garbage, unknown rooms, a peer not the request's
         self.rt = AgentRuntime(config, layout, tensors)
@@ -273,23 +276,36 @@ class KVStreamKVManager(BaseKVManager):
             return None
         return ann.role in ("decode", "both") and self.alive(sender)
 
+    def key_of(self, sender: str) -> bytes:
+        """The key ``sender``'s notes are signed with now (a note kept until its sender
+        announced itself counts only if the announced key is the one it came with)."""
+        info = self.agent.registry.get(sender)
+        return info.key if info is not None else b""
+
+    def rank_of(self, sender: str) -> tuple[int, int] | None:
+        """(TP rank, TP size) ``sender`` announced, None if it announced none."""
+        ann = self.agent.registry.announced(sender)
+        tp = ann.tp if ann is not None else None
+        return (tp.rank, tp.size) if tp is not None else None
+
     def on_want(self, sender: str, note: notes.Want | notes.Drop) -> None:
         """A Want or Drop for this prefill rank's sender of the room (kept for it if the
         request is not here yet; the sender checks who sent it)."""
         if self.is_decode(sender) is False:
             self.dropped += 1
             return
+        key = self.key_of(sender)
         with self._lock:
             s = self.senders.get(note.room)
             if s is None:
-                self._early.setdefault(note.room, []).append((sender, note))
+                self._early.setdefault(note.room, []).append((sender, note, key))
                 self._early.move_to_end(note.room)
                 self._early_count += 1
                 while self._early_count > MAX_EARLY_NOTES:
                     _, gone = self._early.popitem(last=False)
                     self._early_count -= len(gone)
                 return
-        s.heard(sender, note)
+        s.heard(sender, note, key)
 
     def on_ready(self, sender: str, ready: notes.Ready) -> None:
         with self._lock:
@@ -310,7 +326,7 @@ class KVStreamKVManager(BaseKVManager):
             return
         r.dropped(sender, drop.reason)
 
-    def claim_early(self, room: int) -> list[tuple[str, notes.Want | notes.Drop]]:
+    def claim_early(self, room: int) -> list[Early]:
         with self._lock:
             got = self._early.pop(room, [])
             self._early_count -= len(got)

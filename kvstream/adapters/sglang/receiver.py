@@ -81,8 +81,9 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
             if len(self.srcs) == 1:
                 self.readers = ranks.readers(next(p for p, r in asks.items() if r), tp,
                                              mgr.tp_size)
-        else:
-            self.asked = {instance_for(self.bootstrap_addr, mgr.rank % tp): False}
+        else:  # refused: every prefill rank hears it (each may have been asked otherwise)
+            self.asked = {instance_for(self.bootstrap_addr, p): False
+                          for p in range(min(tp, ranks.MAX_TP))}
         self.inited = True
         if why is not None:
             self.fail(why)

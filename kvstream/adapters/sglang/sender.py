@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
 
 from kvstream._exceptions import AdapterError, KVStreamError
 from kvstream.adapters.sglang import notes
-from kvstream.adapters.sglang.manager import KVStreamKVManager, sglang_timeout
+from kvstream.adapters.sglang.manager import Early, KVStreamKVManager, sglang_timeout
 from kvstream.adapters.sglang.side import Side, rid
 from kvstream.transfer import ranks
 
@@ -49,67 +49,86 @@ class KVStreamKVSender(Side, BaseKVSender):
         self.waiting_timeout = sglang_timeout("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
                                               mgr.waiting_timeout_s)
         self.waiting_since: float | None = None
-        self._unknown: list[tuple[str, notes.Want | notes.Drop]] = []  # senders not announced
+        # Kept on the agent's loop, read from SGLang's thread (never iterate ``wants`` there).
+        self._first: notes.Want | None = None  # the first Want: pages and TP of them all
+        self._reads = 0  # how many of the wants read this rank
+        self._unknown: list[Early] = []  # notes whose sender had not announced itself
         with mgr._lock:
             mgr.senders[self.room] = self
         early = mgr.claim_early(self.room)
         if early:  # on the agent's loop, where every later note is heard
             mgr.rt.call(self._replay, early)
 
-    def _replay(self, early: list[tuple[str, notes.Want | notes.Drop]]) -> None:
-        for peer, note in early:
-            self.heard(peer, note)
+    def _replay(self, early: list[Early]) -> None:
+        for peer, note, key in early:
+            self.heard(peer, note, key)
 
     @property
     def want(self) -> notes.Want | None:
-        return next(iter(self.wants.values()), None)
+        return self._first
 
     def peers(self) -> list[str]:
         return list(self.wants)
 
-    def heard(self, sender: str, note: notes.Want | notes.Drop) -> None:
+    def heard(self, sender: str, note: notes.Want | notes.Drop, key: bytes) -> None:
         """On the agent's loop: a note for this room (from a live decode instance, or
-        kept until its sender has announced itself: ``poll`` retries)."""
+        kept until its sender has announced itself: ``poll`` retries), signed with
+        ``key``."""
         mgr = self.kv_mgr
         decode = mgr.is_decode(sender)
-        if decode is None and len(self._unknown) < MAX_UNKNOWN:
-            self._unknown.append((sender, note))
-        elif not decode or self._refused(note):
+        if decode is None:
+            if len(self._unknown) < MAX_UNKNOWN:
+                self._unknown.append((sender, note, key))
+            else:
+                mgr.dropped += 1
+        elif not decode or mgr.key_of(sender) != key or self._refused(sender, note):
             mgr.dropped += 1  # not a rank that asks this one (a forged or confused peer)
         elif isinstance(note, notes.Drop):
             self.dropped(sender, note.reason)
-        elif sender in self.wants:
-            mgr.dropped += 1
         else:
             self._wanted(sender, note)
 
-    def _refused(self, note: notes.Want | notes.Drop) -> bool:
-        """Whether this prefill rank is not one decode rank ``note.tp_rank`` of
-        ``note.tp_size`` turns to (in that role), or disagrees with those that did."""
+    def _refused(self, sender: str, note: notes.Want | notes.Drop) -> bool:
+        """Whether ``sender`` is not decode rank ``note.tp_rank`` of ``note.tp_size`` as it
+        announced itself, or that rank does not turn to this prefill rank (in that role),
+        or the note disagrees with the ranks that asked before."""
         mgr = self.kv_mgr
-        if note.tp_rank >= note.tp_size:
+        if note.tp_rank >= note.tp_size or mgr.rank_of(sender) not in (
+                None, (note.tp_rank, note.tp_size)):
             return True
+        first = self._first
+        if first is not None and note.tp_size != first.tp_size:
+            return True
+        if sender in self.wants:  # one Want per rank; its Drop is heard
+            return isinstance(note, notes.Want)
+        if any(w.tp_rank == note.tp_rank for w in self.wants.values()):
+            return True  # another instance asked as that rank
         if mgr.opaque is not None and note.tp_size != mgr.tp_size:
-            # Opaque pages: fail the request (below) rather than drop the note.
-            return isinstance(note, notes.Drop)
+            return False  # opaque pages: a Want fails the request (``_wanted``), a Drop too
         try:
             role = ranks.asks(note.tp_rank, mgr.tp_size, note.tp_size, mgr.total_kv_heads).get(
                 mgr.rank)
-        except Exception:  # TP degrees whose heads do not split: the decode refuses them
-            return True
+        except Exception:  # TP degrees whose heads do not split: the decode refused them
+            return isinstance(note, notes.Want)
         if role is None:
             return True
         if isinstance(note, notes.Drop):
             return False
-        first = self.want
         return note.read != role or (role and note.readers != ranks.readers(
             mgr.rank, mgr.tp_size, note.tp_size)) or (
-            first is not None and (note.tp_size, note.pages) != (first.tp_size, first.pages))
+            first is not None and note.pages != first.pages)
 
     def _wanted(self, sender: str, want: notes.Want) -> None:
         mgr = self.kv_mgr
         self.wants[sender] = want
-        if len(self.wants) == 1:
+        self._reads += want.read
+        if self.failure is not None:
+            if self._told:  # failed and told before this rank asked: tell it too
+                mgr.send_note(sender, notes.Drop(room=self.room, reason=self.failure[:1024],
+                                                 tp_rank=mgr.rank, tp_size=mgr.tp_size))
+            return
+        if self._first is None:
+            self._first = want
             why = None
             if mgr.opaque is not None and want.tp_size != mgr.tp_size:
                 why = (f"decode TP {want.tp_size} against prefill TP {mgr.tp_size}, and "
@@ -120,7 +139,7 @@ class KVStreamKVSender(Side, BaseKVSender):
             if why is not None:
                 self.fail(why)
                 return
-        if self.ready is not None and want.read and self.failure is None:
+        if self.ready is not None and want.read:
             mgr.send_note(sender, self.ready)  # a reader that asked after the offer
 
     @property
@@ -219,8 +238,8 @@ class KVStreamKVSender(Side, BaseKVSender):
 
     def _retry(self) -> None:
         unknown, self._unknown = self._unknown, []
-        for sender, note in unknown:
-            self.heard(sender, note)
+        for sender, note, key in unknown:
+            self.heard(sender, note, key)
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -254,7 +273,7 @@ class KVStreamKVSender(Side, BaseKVSender):
         """Nothing to offer (the decode had it all cached) and every reader told."""
         want, ready = self.want, self.ready
         return want is not None and ready is not None and not ready.pages and \
-            sum(w.read for w in self.wants.values()) >= want.readers
+            self._reads >= want.readers
 
     def get_transfer_metric(self) -> Any:
         from sglang.srt.disaggregation.base.conn import KVTransferMetric

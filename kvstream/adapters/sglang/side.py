@@ -52,7 +52,10 @@ class Side:
         """Latch the failure (the first reason wins; a concluded success stays one) and
         stop what runs for it, from either thread."""
         with self.kv_mgr._lock:
-            if self.failure is not None or self.conclude_state == KVPoll.Success:
+            if self.conclude_state == KVPoll.Success:
+                self.stopped.set()  # nothing moves after a success: abort() returns at once
+                return
+            if self.failure is not None:
                 return
             self.failure = why
         log.warning("kvstream: room %s failed: %s", self.room, why)
@@ -145,7 +148,3 @@ class Side:
 
     def clear(self) -> None:
         raise NotImplementedError
-
-
-def _rid(room: int) -> str:
-    return f"sgl-{room}"
