@@ -106,6 +106,7 @@ __all__ = [
     "link_from",
     "metrics_for",
     "open_span",
+    "route_decided",
     "trace_transfer",
     "traceparent_of",
     "transfer_started",
@@ -143,6 +144,18 @@ _layer_wait = _meter.create_histogram(
     "kvstream.layer.wait", unit="s",
     description="How long the decode engine waited for a layer that had not landed",
     explicit_bucket_boundaries_advisory=_SECONDS)
+
+
+_route_blocks = _meter.create_counter(
+    "kvstream.route.blocks", unit="{block}",
+    description="Prompt blocks of routed legs, by leg and whether the chosen engine held "
+                "them (kvstream.hit)")
+
+
+def route_decided(leg: str, blocks: int, overlap: int) -> None:
+    """One leg placed by a KV-aware router: its prompt blocks, those already held."""
+    _route_blocks.add(overlap, {"kvstream.leg": leg, "kvstream.hit": True})
+    _route_blocks.add(max(0, blocks - overlap), {"kvstream.leg": leg, "kvstream.hit": False})
 
 
 _gauges: list[Callable[[], list[metrics.Observation]]] = []

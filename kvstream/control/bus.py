@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, cast
 import anyio
 import nats
 import nats.errors
+import nats.js.errors
 
 from kvstream._exceptions import (
     ControlPlaneError,
@@ -24,6 +25,7 @@ from kvstream.control.auth import NatsAuth
 from kvstream.control.identity import SENDER, Seal
 from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.reach import classify, probe, servers_of
+from kvstream.control.stream import StreamSpec
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -143,8 +145,9 @@ class ControlBus:
             raise ControlPlaneError(f"NATS publish on {subject} failed: {exc}") from exc
 
     async def serve(self, subject: str, handler: Handler,
-                    spawn: Callable[..., object] | None = None) -> None:
+                    spawn: Callable[..., object] | None = None, queue: str = "") -> None:
         """Subscribe ``handler``; malformed input is logged, answered if possible, and survived.
+        ``queue``: one of the subscribers of that queue group gets each message.
 
         nats-py runs one subscription's callbacks one after another; with ``spawn`` (a task
         group's ``start_soon``) each message is handled in its own task, so a handler that
@@ -205,9 +208,124 @@ class ControlBus:
                 await self._safe_reply(msg, reply)
 
         try:
-            self._subs.append(await self._nc.subscribe(subject, cb=on_msg))
+            self._subs.append(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
         except nats.errors.Error as exc:
             raise ControlPlaneError(f"cannot subscribe to {subject}: {exc}") from exc
+
+    # -- JetStream: kept messages (KV events) ---------------------------------------------
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
+        """Publish ``msg`` (signed) into ``stream``, creating the stream the first time it
+        is missing; the stream's sequence of it once stored (``ControlPlaneError`` if not)."""
+        data = m.encode(msg)
+        headers = self.seal.outgoing(subject, data, None)
+        js = self._nc.jetstream()
+        for attempt in (1, 2):
+            try:
+                ack = await js.publish(subject, data, timeout=2.0, stream=stream.name,
+                                       headers=headers)
+                return int(ack.seq)
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError) as exc:
+                # no stream takes the subject yet
+                if attempt == 2:
+                    raise ControlPlaneError(f"no JetStream stream stores {subject}") from exc
+                await self.ensure_stream(stream)
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                raise ControlPlaneError(f"storing on {subject} failed: {exc!r}") from exc
+        raise ControlPlaneError(f"storing on {subject} failed")  # not reached
+
+    async def ensure_stream(self, stream: StreamSpec) -> None:
+        """Create ``stream`` unless it exists (an existing one is used as it is)."""
+        from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+
+        jsm = self._nc.jsm()
+        try:
+            await jsm.stream_info(stream.name)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ControlPlaneError(f"JetStream is not available: {exc!r}") from exc
+        config = StreamConfig(name=stream.name, subjects=[stream.subjects],
+                              max_age=stream.max_age_s, max_bytes=stream.max_bytes,
+                              max_msgs_per_subject=stream.max_msgs_per_subject,
+                              max_msg_size=stream.max_msg_size, discard=DiscardPolicy.OLD,
+                              storage=StorageType.FILE)
+        try:
+            await jsm.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:  # made by another agent meanwhile
+            if getattr(exc, "err_code", 0) != 10058:  # "stream name already in use"
+                raise ControlPlaneError(f"cannot create stream {stream.name}: {exc!r}") from exc
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ControlPlaneError(f"cannot create stream {stream.name}: {exc!r}") from exc
+
+    async def follow(self, subject: str, stream: StreamSpec, handler: Handler) -> None:
+        """Every message of ``stream`` on ``subject``, from the first kept, then live, in
+        order (an ordered consumer: nats-py recreates it after a gap), each decoded and
+        its signature checked like ``serve``'s; refused ones are counted and dropped."""
+        await self.ensure_stream(stream)
+        js = self._nc.jetstream()
+
+        async def on_msg(msg: Msg) -> None:
+            checked = self._check_kept(msg)
+            if checked is not None:
+                try:
+                    await handler(*checked)
+                except Exception:
+                    self._quiet.log(logging.ERROR, "handler", "handler failed on %s",
+                                    msg.subject, exc_info=True)
+
+        from nats.js.api import DeliverPolicy
+
+        try:
+            self._subs.append(await js.subscribe(subject, stream=stream.name, cb=on_msg,
+                                                 ordered_consumer=True, idle_heartbeat=5.0,
+                                                 deliver_policy=DeliverPolicy.ALL))
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ControlPlaneError(f"cannot follow {subject}: {exc!r}") from exc
+
+    async def kept(self, subject: str, stream: StreamSpec, *, timeout: float = 10.0,
+                   limit: int = 1 << 20) -> list[tuple[m.ControlUnion, dict[str, str]]]:
+        """What ``stream`` keeps on ``subject`` now, in order, checked like ``follow``'s
+        (at most ``limit`` messages, within ``timeout``)."""
+        js = self._nc.jetstream()
+        out: list[tuple[m.ControlUnion, dict[str, str]]] = []
+        try:
+            sub = await js.subscribe(subject, stream=stream.name, ordered_consumer=True)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ControlPlaneError(f"cannot read {subject}: {exc!r}") from exc
+        try:
+            with anyio.fail_after(timeout):
+                while len(out) < limit:
+                    try:
+                        msg = await sub.next_msg(timeout=min(1.0, timeout))
+                    except nats.errors.TimeoutError:
+                        break  # nothing kept (or nothing more)
+                    checked = self._check_kept(msg)
+                    if checked is not None:
+                        out.append(checked)
+                    if msg.metadata.num_pending == 0:
+                        break
+        except TimeoutError as exc:
+            raise ControlPlaneError(f"reading {subject} took over {timeout} s") from exc
+        finally:
+            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+                await sub.unsubscribe()
+        return out
+
+    def _check_kept(self, msg: Msg) -> tuple[m.ControlUnion, dict[str, str]] | None:
+        try:
+            decoded = m.decode(msg.data)
+        except MessageDecodeError as exc:
+            self.malformed += 1
+            self._quiet.warning("malformed", "dropped malformed message on %s: %s",
+                                msg.subject, exc)
+            return None
+        headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
+        if headers is None:
+            self._quiet.warning("unauthenticated", "refused an unauthenticated message "
+                                "on %s", msg.subject)
+            return None
+        return decoded, headers
 
     async def _safe_reply(self, msg: Msg, reply: m.ControlMessage) -> None:
         data = m.encode(reply)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -32,6 +33,7 @@ from kvstream.control import messages as m
 from kvstream.control.identity import SENDER, Seal
 from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.port import Handler
+from kvstream.control.stream import StreamSpec
 
 __all__ = ["BUFFER", "DropRule", "MemoryBus", "MemoryHub"]
 
@@ -87,8 +89,9 @@ def _matches(pattern: list[str], subject: list[str]) -> bool:
 
 class _Subscription:
     def __init__(self, bus: MemoryBus, subject: str, handler: Handler,
-                 spawn: Callable[..., object] | None) -> None:
+                 spawn: Callable[..., object] | None, queue: str = "") -> None:
         self.bus, self.subject, self.handler, self.spawn = bus, subject, handler, spawn
+        self.queue = queue
         self.pattern = _tokens(subject, wildcards=True)
         self.send, self.recv = anyio.create_memory_object_stream[_Delivery](BUFFER)
         self.scope = anyio.CancelScope()
@@ -163,6 +166,7 @@ class MemoryHub:
         self._rules: list[DropRule] = []
         self._inbox = itertools.count()
         self.dropped = 0
+        self.kept: dict[str, list[tuple[str, m.ControlMessage]]] = {}  # persist(), by stream
 
     async def __aenter__(self) -> MemoryHub:
         tg = anyio.create_task_group()
@@ -216,8 +220,14 @@ class MemoryHub:
             self._subs.remove(sub)
 
     def _targets(self, subject: str) -> list[_Subscription]:
+        """Every matching subscription, but one (at random) per queue group, as NATS does."""
         tokens = _tokens(subject, wildcards=False)
-        return [s for s in self._subs if _matches(s.pattern, tokens)]
+        hits = [s for s in self._subs if _matches(s.pattern, tokens)]
+        groups: dict[str, list[_Subscription]] = {}
+        for s in hits:
+            if s.queue:
+                groups.setdefault(s.queue, []).append(s)
+        return [s for s in hits if not s.queue] + [random.choice(g) for g in groups.values()]
 
     async def _send(self, subject: str, data: bytes, headers: dict[str, str] | None,
                     reply: _Reply | None, *, lost: bool = False) -> None:
@@ -285,13 +295,21 @@ class MemoryBus:
                              lost=self.hub._lost(subject, msg))
 
     async def serve(self, subject: str, handler: Handler,
-                    spawn: Callable[..., object] | None = None) -> None:
+                    spawn: Callable[..., object] | None = None, queue: str = "") -> None:
         """Subscribe ``handler``; with ``spawn`` (a task group's ``start_soon``) each message
-        gets its own task, without it they are handled in order by this subscription's task."""
+        gets its own task, without it they are handled in order by this subscription's task.
+        ``queue``: one subscriber of that queue group gets each message."""
         self._check()
-        sub = _Subscription(self, subject, handler, spawn)
+        sub = _Subscription(self, subject, handler, spawn, queue)
         self.hub._subscribe(sub)
         self._subs.append(sub)
+
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
+        """Published, and kept in the hub's ``kept[stream.name]`` (a stream's messages)."""
+        await self.publish(subject, msg)
+        kept = self.hub.kept.setdefault(stream.name, [])
+        kept.append((subject, msg))
+        return len(kept)
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Subscriptions take effect at once here and publishes are queued when they

@@ -21,7 +21,12 @@ History:
       destination (``Accept.path``, ``Pull.path``, echoed in the pull's ``Manifest.path``;
       "ucx" from older peers) and what each side needs for it: a host identity, a TCP
       data address, shared KV segments (``host``, ``tcp``, ``shared`` in ``Announce``;
-      ``src_*`` in ``Manifest``, ``dst_*`` in ``Pull`` and ``Accept``).
+      ``src_*`` in ``Manifest``, ``dst_*`` in ``Pull`` and ``Accept``). KV events and
+      routing (issue 20): ``KVEvents`` (an instance's prefix blocks stored and removed, on
+      its own events subject, kept in JetStream), ``KVResync`` (a router asks an instance
+      to publish its blocks afresh), ``Route``/``Routed`` (a proxy asks the routers'
+      queue group where a request goes); ``Announce.requests`` and ``Announce.kv_used``
+      (the load a router weighs; 0 from older peers).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ __all__ = [
     "ControlMessage",
     "ControlUnion",
     "Done",
+    "KVEvents",
+    "KVResync",
     "Leave",
     "Manifest",
     "Note",
@@ -53,6 +60,8 @@ __all__ = [
     "Reject",
     "Renew",
     "RenewAck",
+    "Route",
+    "Routed",
     "decode",
     "encode",
 ]
@@ -136,6 +145,10 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # and where its KV lives ("cpu", "cuda"; "": not registered).
     tp: TpInfo | None = None
     kv_device: Literal["", "cpu", "cuda"] = ""
+    # What a router weighs (issue 20), as the engine reports it (``Agent.report_load``):
+    # requests it is serving, KV blocks in use.
+    requests: Count = 0
+    kv_used: Count = 0
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):
@@ -297,8 +310,95 @@ class Note(ControlMessage, tag="kv.note", frozen=True):
     body: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTE)]
 
 
+# -- KV events and routing (issue 20) ------------------------------------------------------
+MAX_EVENTS: Final = 1024  # events of one KVEvents batch
+MAX_EVENT_HASHES: Final = 4096  # hashes of one event (a batch holds at most 1 MiB of them)
+MAX_ROUTE_BLOCKS: Final = 1 << 17  # prompt blocks a route request names, per block size
+BlockHash = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # prefix.block_hashes
+EventHashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_EVENT_HASHES)]
+Epoch = Annotated[str, msgspec.Meta(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+LegRole = Literal["prefill", "decode"]
+
+
+class Stored(msgspec.Struct, tag_field="e", tag="stored", frozen=True):
+    """Blocks now held in the prefix cache, by their chained hash (``kvstream.prefix``)."""
+
+    hashes: EventHashes
+
+
+class Removed(msgspec.Struct, tag_field="e", tag="removed", frozen=True):
+    hashes: EventHashes
+
+
+class Cleared(msgspec.Struct, tag_field="e", tag="cleared", frozen=True):
+    """Nothing is held any more (a cache reset)."""
+
+
+KVEvent = Stored | Removed | Cleared
+
+
+class KVEvents(ControlMessage, tag="kv.events", frozen=True):
+    """One batch of an instance's KV events, on ``Subjects.kv_events(instance_id)``.
+
+    ``seq`` counts the batches of one ``epoch`` (an incarnation of the publisher) from 1
+    without a gap: a router that sees one missing repairs its view (it rereads the stream,
+    else asks for a ``KVResync``). ``reset``: the instance held nothing before this batch
+    (its first batch, and the first of a resync, which then lists every block held)."""
+
+    instance_id: Id
+    epoch: Epoch
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: BlockSize
+    events: Annotated[list[KVEvent], msgspec.Meta(max_length=MAX_EVENTS)] = []
+    reset: bool = False
+
+
+class KVResync(ControlMessage, tag="kv.resync", frozen=True):
+    """A router's request: publish every block held afresh (a ``reset`` batch); its view
+    of ``instance_id`` has a gap the stream cannot fill."""
+
+    instance_id: Id
+    reason: Text = ""
+
+
+class Route(ControlMessage, tag="kv.route", frozen=True):
+    """A proxy asks the routers where a request goes: its prompt's block hashes for each
+    block size the candidates use, and the requests the proxy has in flight per URL."""
+
+    request_id: Id = ""
+    hashes: Annotated[dict[BlockSize, Annotated[list[BlockHash], msgspec.Meta(
+        max_length=MAX_ROUTE_BLOCKS)]], msgspec.Meta(max_length=8)] = {}
+    tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    legs: Annotated[list[LegRole], msgspec.Meta(max_length=2)] = msgspec.field(
+        default_factory=lambda: ["prefill", "decode"])
+    inflight: Annotated[dict[Text, Count], msgspec.Meta(max_length=4096)] = {}
+    exclude: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one leg goes and why: the prompt blocks the engine already holds
+    (``overlap`` of ``blocks``), its load, the cost that won among ``candidates``."""
+
+    role: LegRole
+    url: Text
+    instance_ids: Ids = []
+    overlap: Count = 0
+    blocks: Count = 0
+    load: Load = 0.0
+    cost: Load = 0.0
+    candidates: Count = 0
+
+
+class Routed(ControlMessage, tag="kv.routed", frozen=True):
+    """A router's answer to ``Route``: one decision per leg it could place."""
+
+    router_id: Id = ""
+    decisions: Annotated[list[Decision], msgspec.Meta(max_length=2)] = []
+
+
 ControlUnion = (Announce | Leave | Manifest | Accept | Reject | Done | Abort | AbortAck | Pull
-                | Renew | RenewAck | Note)
+                | Renew | RenewAck | Note | KVEvents | KVResync | Route | Routed)
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(ControlUnion)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kvstream.control import messages as m
 from kvstream.control.identity import Seal
+from kvstream.control.stream import StreamSpec
 
 __all__ = ["ControlPort", "Handler"]
 
@@ -37,9 +38,15 @@ class ControlPort(Protocol):
     ) -> None: ...
 
     async def serve(self, subject: str, handler: Handler,
-                    spawn: Callable[..., object] | None = None) -> None:
+                    spawn: Callable[..., object] | None = None, queue: str = "") -> None:
         """Subscribe ``handler`` (``subject`` may hold wildcards); with ``spawn`` each message
-        is handled in its own task, without it in order."""
+        is handled in its own task, without it in order; ``queue``: one subscriber of that
+        queue group gets each message."""
+        ...
+
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
+        """Publish ``msg`` into ``stream`` (JetStream), its stream sequence once stored;
+        ``ControlPlaneError`` if it was not."""
         ...
 
     async def flush(self, timeout: float = 2.0) -> None:

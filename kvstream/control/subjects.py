@@ -46,6 +46,24 @@ class Subjects:
     def control_all(self) -> str:
         return f"{self.prefix}.inst.*.ctl"
 
+    def kv_events(self, instance_id: str) -> str:
+        """Where an instance publishes its KV events (kept in ``kv_events_stream``)."""
+        return f"{self.prefix}.kvev.{_check('instance id', instance_id)}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kvev.*"
+
+    @property
+    def kv_events_stream(self) -> str:
+        """The JetStream stream that keeps every instance's KV events of this namespace."""
+        return f"KVS_{self.namespace}_KVEVENTS"
+
+    @property
+    def route(self) -> str:
+        """Where proxies ask the routers (a queue group: ``ROUTERS``) where a request goes."""
+        return f"{self.prefix}.route"
+
     def inbox(self, instance_id: str) -> str:
         """The prefix of an instance's reply subjects: its own, so that NATS permissions
         can keep every other client from reading its answers (accepts carry data-plane
@@ -56,7 +74,9 @@ class Subjects:
         """The least an instance needs on NATS (docs/architecture.md, "NATS credentials and
         permissions"): publish to control subjects, its own registry subject and reply
         inboxes; subscribe to its own control subject, the registry and its own inboxes."""
-        return {"publish": [self.control_all, self.registry(instance_id), "_INBOX.>"],
+        return {"publish": [self.control_all, self.registry(instance_id),
+                            self.kv_events(instance_id), "_INBOX.>", "$JS.API.STREAM.INFO.*",
+                            "$JS.API.STREAM.CREATE.*"],
                 "subscribe": [self.control(instance_id), self.registry_all,
                               f"{self.inbox(instance_id)}.>"]}
 

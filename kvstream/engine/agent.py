@@ -30,6 +30,7 @@ from kvstream.engine.admission import Admission
 from kvstream.engine.core import Core
 from kvstream.engine.gather import Gatherer
 from kvstream.engine.keeper import Keeper, RemoteLease
+from kvstream.engine.kv_events import KVEventLog
 from kvstream.engine.liveness import Liveness
 from kvstream.engine.offers import Offers
 from kvstream.engine.ports import open_control, open_tcp, open_transport
@@ -80,6 +81,7 @@ class Agent:
         self._liveness = Liveness(core, self._keeper, layout)
         self._ports = (control, transport)
         self._notes: dict[str, Callable[[str, bytes], None]] = {}
+        self._events: KVEventLog | None = None
         self._stack = contextlib.AsyncExitStack()
         self.nats_url = ""
         if kv_caches is not None:
@@ -228,6 +230,29 @@ class Agent:
                       secret: str = "") -> bool:
         return await self._keeper.release(request_id, src_instance, reason, secret)
 
+    # -- KV events and load, for routers (issue 20) ----------------------------------------
+    def kv_events(self, block_size: int | None = None) -> KVEventLog:
+        """This instance's KV event log (``stored``, ``removed``, ``cleared``: what its
+        prefix cache did, by ``kvstream.prefix`` hashes), published for routers; made and
+        started on the first call, at ``block_size`` (default: the registered layout's)."""
+        if self._events is None:
+            mem = self._core.memory
+            size = block_size or (mem.layout.block_size if mem is not None else 0)
+            if not size:
+                raise ConfigError("kv_events needs a block_size (no KV is registered)")
+            self._events = KVEventLog(self._core, size)
+            self._core.spawn(self._events.run)
+        elif block_size not in (None, self._events.block_size):
+            raise ConfigError(f"the KV event log's block size is {self._events.block_size}")
+        return self._events
+
+    def report_load(self, *, requests: int, kv_used: int = 0) -> None:
+        """The engine's load as routers weigh it: requests it serves, KV blocks in use
+        (sent with the next heartbeat)."""
+        if requests < 0 or kv_used < 0:
+            raise ConfigError("a load is not negative")
+        self._core.requests, self._core.kv_used = int(requests), int(kv_used)
+
     # -- adapters' notes ------------------------------------------------------------------
     def on_note(self, topic: str, handler: Callable[[str, bytes], None] | None) -> None:
         """Call ``handler(sender, body)`` on the agent's loop for every ``Note`` of ``topic``
@@ -278,6 +303,10 @@ class Agent:
                 return self._offers.on_renew(msg)
             case m.Note():
                 self._on_note(msg, sender)
+                return None
+            case m.KVResync():
+                if self._events is not None and msg.instance_id == self._core.instance_id:
+                    self._events.resync(f"{sender}: {msg.reason[:200]}")
                 return None
             case m.Done():
                 entry = self._core.book.lookup(msg.transfer_id)

@@ -103,7 +103,8 @@ class Liveness:
             heartbeat_s=core.config.heartbeat_s, seq=self._seq, endpoint=core.config.endpoint,
             forgot=dict(core.forgot), host=core.paths.host, tcp=core.paths.tcp_address,
             shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer, tp=core.config.tp,
-            kv_device="cpu" if mem and mem.device.type == "cpu" else "cuda" if mem else ""))
+            kv_device="cpu" if mem and mem.device.type == "cpu" else "cuda" if mem else "",
+            requests=core.requests, kv_used=core.kv_used))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core

@@ -11,7 +11,7 @@ behind either proxy see the same thing:
 
 Both legs carry the same ``X-Request-Id``. Instances come from the registry (agents
 announce their ``endpoint``) and from static URLs; the least loaded gets each leg
-(``kvstream.proxy.routing``). What the toy proxy does not do: when the D leg fails before the
+(``kvstream.routing.directory``). What the toy proxy does not do: when the D leg fails before the
 decode engine could have pulled, the proxy tells the prefill instance to drop its offer
 now (``release_offer``) instead of letting the blocks wait for the lease to expire.
 

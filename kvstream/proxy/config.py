@@ -16,6 +16,7 @@ from kvstream.control.nats_server import DEFAULT_NATS_URL
 from kvstream.control.subjects import Subjects
 
 __all__ = ["PREFILL_PARAMS", "ROUTE_HEADER", "NoPrefill", "ProxyConfig", "ProxyStatistics",
+           "Routing",
            "decode_body", "decode_only_body", "prefill_body"]
 
 # What the P leg asks of the prefill engine: keep the KV for a remote decode (vLLM's keys).
@@ -29,6 +30,9 @@ _NOT_FOR_PREFILL: Final = ("stream_options", "min_tokens", "min_completion_token
 # Which response header says how a completion was served.
 ROUTE_HEADER: Final = "X-KVStream-Route"
 NoPrefill = Literal["decode", "reject"]
+# How legs are placed: "load" (least loaded, by the proxy itself), "kv" (the routers' queue
+# group weighs each candidate's cached prefix against its load; least loaded if none answers).
+Routing = Literal["load", "kv"]
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,17 +56,23 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # No live prefill instance, or the P leg could not reach its engine: "decode" sends the
     # request whole to a decode instance (it prefills itself), "reject" answers 503 (502).
     no_prefill: NoPrefill = "decode"
+    routing: Routing = "load"
+    route_timeout_s: float = 0.5  # a router's answer (then: least loaded)
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)
         if self.no_prefill not in ("decode", "reject"):
             raise ConfigError(f"no_prefill must be 'decode' or 'reject', not {self.no_prefill!r}")
+        if self.routing not in ("load", "kv"):
+            raise ConfigError(f"routing must be 'load' or 'kv', not {self.routing!r}")
+        if self.routing == "kv" and self.nats_url is None:
+            raise ConfigError("routing 'kv' asks the routers on NATS: it needs a NATS URL")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is not a TCP port")
         if self.proxy_id:
             Subjects.check_instance_id(self.proxy_id)
         for name in ("peer_timeout_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_read_timeout_s", "abort_timeout_s"):
+                     "decode_read_timeout_s", "abort_timeout_s", "route_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.nats_url is None and not (self.prefill and self.decode):
@@ -76,6 +86,12 @@ class ProxyStatistics(msgspec.Struct, frozen=True, kw_only=True):
     offers_released: int  # prefill offers dropped early on a D failure (acknowledged)
     inflight: dict[str, int]  # legs in flight per engine URL
     decode_only: int = 0  # requests sent whole to a decode instance (no usable prefill)
+    # routing "kv": requests a router placed, those placed least-loaded instead (no router
+    # answered, no tokens), and per leg the prompt blocks and those the chosen engine held
+    kv_routed: int = 0
+    kv_fallbacks: int = 0
+    prompt_blocks: dict[str, int] = {}
+    hit_blocks: dict[str, int] = {}
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

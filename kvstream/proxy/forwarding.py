@@ -20,7 +20,7 @@ from kvstream._exceptions import ConfigError, ProxyError
 from kvstream.control.aborts import release_offer
 from kvstream.control.bus import ControlBus
 from kvstream.proxy.config import ROUTE_HEADER, ProxyConfig, prefill_body
-from kvstream.proxy.routing import Directory, Instance, LegRole, pick
+from kvstream.routing.directory import Directory, Instance, LegRole, pick
 
 try:
     import aiohttp
@@ -114,14 +114,18 @@ class Legs:
 
     async def _decode(self, request: web.Request, d_body: dict[str, Any],
                       params: dict[str, Any] | None, headers: dict[str, str],
-                      route: str) -> tuple[web.StreamResponse, Instance]:
-        """The D leg with ``d_body``; ``params``: the P leg's offer, released if D fails."""
+                      route: str, chosen: Instance | None = None
+                      ) -> tuple[web.StreamResponse, Instance]:
+        """The D leg with ``d_body`` (on ``chosen``, else the least loaded); ``params``:
+        the P leg's offer, released if D fails."""
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                         sock_read=cfg.decode_read_timeout_s)
         assert self._session is not None
         try:
-            d = self._choose("decode")
+            live = chosen is not None and any(
+                i.url == chosen.url for i in self.directory.instances("decode"))
+            d = chosen if chosen is not None and live else self._choose("decode")
         except ProxyError as exc:  # the decode instance vanished during the prefill
             await self._release(params, str(exc))
             raise

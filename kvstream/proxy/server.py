@@ -17,7 +17,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from kvstream._exceptions import ConfigError, ProxyError
+from kvstream._exceptions import ConfigError, KVStreamError, ProxyError
+from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
 from kvstream.control.identity import SENDER, SUBJECT, Identity
 from kvstream.control.messages import Announce, Leave
@@ -25,7 +26,9 @@ from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
 from kvstream.proxy.config import ProxyConfig, ProxyStatistics, decode_body, decode_only_body
 from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
-from kvstream.proxy.routing import Directory, LegRole
+from kvstream.proxy.kv_route import block_sizes, prompt_tokens, route_request
+from kvstream.routing.directory import Directory, Instance, LegRole
+from kvstream.telemetry import open_span, route_decided
 
 try:
     import aiohttp
@@ -69,6 +72,7 @@ class Proxy(Legs):
         self._turn: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
         self._degraded = False  # serving decode-only because no prefill instance is live
+        self._subjects = Subjects(config.namespace)
 
     async def __aenter__(self) -> Proxy:
         try:
@@ -159,22 +163,25 @@ class Proxy(Legs):
         if not self.directory.instances("decode"):  # refuse before a prefill nobody decodes
             raise ProxyError("no decode instance available", status=503, code="no_decode")
         started = time.monotonic()
-        p = self._pick("prefill")
+        placed = await self._kv_route(request.path, body, headers)
+        p = self._placed("prefill", placed) or self._pick("prefill")
         if p is None:
             if self.config.no_prefill == "reject":
                 raise ProxyError("no prefill instance available", status=503, code="no_prefill")
             return await self._decode_only(request, body, headers, started,
-                                           "no live prefill instance")
+                                           "no live prefill instance",
+                                           self._placed("decode", placed))
         try:
             params = await self._prefill(p, request.path, body, headers)
         except PrefillUnreachable as exc:
             if self.config.no_prefill == "reject":
                 raise
-            return await self._decode_only(request, body, headers, started, str(exc))
+            return await self._decode_only(request, body, headers, started, str(exc),
+                                           self._placed("decode", placed))
         self._set_degraded(False, f"prefill {p.url} answered")
         prefill_ms = (time.monotonic() - started) * 1e3
         response, d = await self._decode(request, decode_body(body, params), params, headers,
-                                         "prefill-decode")
+                                         "prefill-decode", self._placed("decode", placed))
         log.info("%s %s: prefill %s (%.0f ms) -> decode %s: %d (%.0f ms in all)", request_id,
                  request.path, p.url, prefill_ms, d.url, response.status,
                  (time.monotonic() - started) * 1e3)
@@ -182,15 +189,76 @@ class Proxy(Legs):
 
     async def _decode_only(self, request: web.Request, body: dict[str, Any],
                            headers: dict[str, str], started: float,
-                           why: str) -> web.StreamResponse:
+                           why: str, chosen: Instance | None = None) -> web.StreamResponse:
         """The whole request on a decode instance: it prefills the prompt itself."""
         self._set_degraded(True, why)
         self._counts["decode_only"] += 1
         response, d = await self._decode(request, decode_only_body(body), None, headers,
-                                         "decode-only")
+                                         "decode-only", chosen)
         log.info("%s %s: decode-only (%s) -> decode %s: %d (%.0f ms)", headers["X-Request-Id"],
                  request.path, why, d.url, response.status, (time.monotonic() - started) * 1e3)
         return response
+
+    # -- KV-aware routing (routing = "kv") -------------------------------------------------
+    async def _kv_route(self, path: str, body: dict[str, Any],
+                        headers: dict[str, str]) -> dict[str, m.Decision]:
+        """The routers' decisions per leg; {} (least loaded, counted) when none is had."""
+        cfg = self.config
+        if cfg.routing != "kv" or self._bus is None or self._session is None:
+            return {}
+        engines = self.directory.instances("prefill") or self.directory.instances("decode")
+        if not engines:
+            return {}
+        span = open_span("kvstream.proxy.route", request_id=headers["X-Request-Id"])
+        try:
+            engine = engines[self._turn["tokenize"] % len(engines)]
+            self._turn["tokenize"] += 1
+            tokens = await prompt_tokens(self._session, engine, path, body,
+                                         self._headers_out(headers), cfg.connect_timeout_s)
+            if tokens is None:
+                return self._unrouted(span, "the prompt's tokens are unknown")
+            req = route_request(tokens, block_sizes(self.directory), self._inflight,
+                                headers["X-Request-Id"])
+            try:
+                reply = await self._bus.request(self._subjects.route, req,
+                                                timeout=cfg.route_timeout_s)
+            except KVStreamError as exc:
+                return self._unrouted(span, f"no router answered: {exc}")
+            if not isinstance(reply, m.Routed) or not reply.decisions:
+                return self._unrouted(span, "the router placed nothing")
+            self._counts["kv_routed"] += 1
+            span.set_attribute("kvstream.router", reply.router_id)
+            span.set_attribute("kvstream.tokens", len(tokens))
+            placed: dict[str, m.Decision] = {}
+            for d in reply.decisions:
+                placed[d.role] = d
+                self._counts[f"blocks_{d.role}"] += d.blocks
+                self._counts[f"hits_{d.role}"] += d.overlap
+                route_decided(d.role, d.blocks, d.overlap)
+                for key, value in (("url", d.url), ("overlap", d.overlap),
+                                   ("blocks", d.blocks), ("load", d.load),
+                                   ("cost", d.cost), ("candidates", d.candidates)):
+                    span.set_attribute(f"kvstream.{d.role}.{key}", value)
+            return placed
+        finally:
+            span.end()
+
+    def _unrouted(self, span: Any, why: str) -> dict[str, m.Decision]:
+        self._counts["kv_fallbacks"] += 1
+        span.set_attribute("kvstream.fallback", why)
+        log.debug("routing least-loaded: %s", why)
+        return {}
+
+    def _placed(self, role: LegRole, placed: dict[str, m.Decision]) -> Instance | None:
+        """The live instance a router chose for ``role``'s leg (None: choose here)."""
+        d = placed.get(role)
+        if d is None:
+            return None
+        return next((i for i in self.directory.instances(role) if i.url == d.url), None)
+
+    @staticmethod
+    def _headers_out(headers: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in headers.items() if k in ("Authorization", "X-Request-Id")}
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         d = self._choose("decode")
@@ -226,7 +294,10 @@ class Proxy(Legs):
                                decode_errors=c["decode_errors"],
                                offers_released=c["offers_released"],
                                inflight={u: n for u, n in self._inflight.items() if n},
-                               decode_only=c["decode_only"])
+                               decode_only=c["decode_only"], kv_routed=c["kv_routed"],
+                               kv_fallbacks=c["kv_fallbacks"],
+                               prompt_blocks={r: c[f"blocks_{r}"] for r in ("prefill", "decode")},
+                               hit_blocks={r: c[f"hits_{r}"] for r in ("prefill", "decode")})
 
 
 @web.middleware

@@ -17,7 +17,7 @@ import msgspec
 from kvstream._exceptions import ConfigError, KVStreamError
 from kvstream.tools.cli_bench import bench, demo
 from kvstream.tools.cli_common import LOG_FORMAT, OneLineFormatter, layout_from
-from kvstream.tools.cli_run import proxy, sidecar
+from kvstream.tools.cli_run import proxy, router, sidecar
 
 __all__ = ["LOG_FORMAT", "OneLineFormatter", "app", "main"]
 
@@ -181,7 +181,7 @@ def _register_commands() -> None:
     """The commands defined in the sibling modules (``kvstream.doctor`` included)."""
     from kvstream.doctor import doctor
 
-    for command in (bench, demo, sidecar, proxy, doctor):
+    for command in (bench, demo, sidecar, proxy, router, doctor):
         app.add_command(command)
 
 

@@ -1,4 +1,4 @@
-"""``kvstream sidecar`` and ``kvstream proxy``: the long-running services.
+"""``kvstream sidecar``, ``kvstream proxy`` and ``kvstream router``: the long-running services.
 
 Both run until SIGTERM or SIGINT. Registered on the group by ``kvstream.tools.cli``.
 """
@@ -17,7 +17,7 @@ from kvstream.tools.cli_common import layout_from, log_to_stderr, nats_auth_opti
 if TYPE_CHECKING:
     from kvstream.control.auth import NatsAuth
 
-__all__ = ["proxy", "sidecar"]
+__all__ = ["proxy", "router", "sidecar"]
 
 
 def _configure_tracing(service: str, trace_file: str | None) -> Any:
@@ -126,12 +126,16 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
               show_default=True,
               help="no live prefill instance, or its engine cannot be reached: run the request "
                    "whole on a decode instance (decode), or answer 503 (reject)")
+@click.option("--routing", type=click.Choice(["load", "kv"]), default="load", show_default=True,
+              help="place the legs least-loaded here (load), or ask the routers of the "
+                   "namespace (`kvstream router`), which weigh each engine's cached prefix "
+                   "against its load (kv; least-loaded when none answers)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
 def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_nats: bool,
           namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
-          timeout: float, no_prefill: str, log_level: str) -> None:
+          timeout: float, no_prefill: str, routing: str, log_level: str) -> None:
     """OpenAI-compatible prefill/decode proxy over the registry.
 
     Engines are found in the kvstream registry on NATS (or given with --prefill and
@@ -152,7 +156,8 @@ def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_na
                          nats_auth=nats_auth,
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
                          prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
-                         no_prefill=no_prefill)  # type: ignore[arg-type]
+                         no_prefill=no_prefill,  # type: ignore[arg-type]
+                         routing=routing)  # type: ignore[arg-type]
 
     async def run() -> None:
         async with Proxy(config) as server:
@@ -166,3 +171,52 @@ def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_na
 
     anyio.run(run)
 
+
+
+@click.command()
+@click.option("--nats-url", help="NATS URL (default: nats://127.0.0.1:4222); needs JetStream")
+@nats_auth_options
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--router-id", default="", help="this router's id (default: router-<8 hex>)")
+@click.option("--peer-timeout", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="seconds without a heartbeat before an instance is not routed to")
+@click.option("--prefill-load-weight", type=click.FloatRange(min=0.0), default=0.5,
+              show_default=True,
+              help="cost = blocks to compute + weight * requests in flight * prompt blocks")
+@click.option("--decode-load-weight", type=click.FloatRange(min=0.0), default=0.5,
+              show_default=True, help="the same for the decode leg (blocks to receive)")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
+              show_default=True)
+def router(nats_url: str | None, nats_auth: NatsAuth, namespace: str, router_id: str,
+           peer_timeout: float, prefill_load_weight: float, decode_load_weight: float,
+           log_level: str) -> None:
+    """KV-aware router for `kvstream proxy --routing kv`.
+
+    Follows every instance's KV events (kept in JetStream, so a router that starts late
+    or restarts rebuilds its view) and serves `kvstream proxy --routing kv` in a NATS
+    queue group: run as many as you like side by side.
+    """
+    import signal
+
+    import anyio
+
+    from kvstream.control.nats_server import DEFAULT_NATS_URL
+    from kvstream.routing.service import Router, RouterConfig
+
+    log_to_stderr(log_level)
+    config = RouterConfig(nats_url=nats_url or DEFAULT_NATS_URL, nats_auth=nats_auth,
+                          namespace=namespace, router_id=router_id,
+                          peer_timeout_s=peer_timeout,
+                          prefill_load_weight=prefill_load_weight,
+                          decode_load_weight=decode_load_weight)
+
+    async def run() -> None:
+        async with Router(config) as server:
+            click.echo(f"kvstream router {server.router_id} serving {server.subjects.route} "
+                       f"({config.nats_url})")
+            sys.stdout.flush()
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    return
+
+    anyio.run(run)

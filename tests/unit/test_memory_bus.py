@@ -42,7 +42,7 @@ def _shape(cls: type, name: str) -> tuple[object, ...]:
     return inspect.iscoroutinefunction(fn), params, hints.get("return")
 
 
-METHODS = ["request", "publish", "serve", "flush", "close"]
+METHODS = ["request", "publish", "serve", "persist", "flush", "close"]
 
 
 @pytest.mark.parametrize("impl", [ControlBus, MemoryBus])
@@ -266,3 +266,26 @@ async def test_bad_subjects_and_a_closed_hub_are_control_plane_errors():
                 await bus.publish(bad, _leave())
         with pytest.raises(ControlPlaneError, match="subject"):
             await bus.serve("a.>.b", handler)
+
+
+@pytest.mark.anyio
+async def test_a_queue_group_gets_each_message_once_like_nats():
+    counts = {"plain": 0, "q1": 0, "q2": 0}
+
+    def rec(key: str):
+        async def handler(msg, headers):
+            counts[key] += 1
+        return handler
+
+    async with MemoryHub() as hub:
+        bus = await hub.connect("a")
+        await bus.serve("x.y", rec("plain"))
+        await bus.serve("x.y", rec("q1"), queue="q")
+        await bus.serve("x.*", rec("q2"), queue="q")
+        for _ in range(20):
+            await bus.publish("x.y", m.Leave(instance_id="a"))
+        with anyio.fail_after(5):
+            while counts["plain"] < 20 or counts["q1"] + counts["q2"] < 20:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        assert counts["plain"] == 20 and counts["q1"] + counts["q2"] == 20

@@ -7,7 +7,7 @@ import pytest
 
 from kvstream import AgentConfig, ConfigError
 from kvstream.control import messages as m
-from kvstream.proxy.routing import Directory, Instance, pick
+from kvstream.routing.directory import Directory, Instance, pick
 from kvstream.tools.cli import main
 from tests.fakes import FakeClock
 

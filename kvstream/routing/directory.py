@@ -1,7 +1,7 @@
 """Which engine gets a request: static URLs plus the registry's live instances.
 
-Pure bookkeeping for ``kvstream proxy`` (the clock is injected through the ``Registry``):
-the proxy feeds it the registry's announcements and asks it where to send a leg. Engines
+Pure bookkeeping for ``kvstream proxy`` and the routers (the clock is injected through the
+``Registry``): they feed it the registry's announcements and ask it where a leg can go. Engines
 are routed by their HTTP endpoint, so the kvstream instances of one engine's TP ranks,
 which all announce the same endpoint, collapse into one ``Instance``.
 """

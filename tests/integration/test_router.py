@@ -1,0 +1,179 @@
+"""KV-aware routers over a real nats-server with JetStream and real agents: events
+published by ``Agent.kv_events`` rebuild a router's view even when it starts after them
+or restarts; two routers in the queue group both serve; a gap is repaired (the instance
+lists its blocks afresh on ``KVResync``); forged and unsigned events change nothing."""
+
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import nats
+import pytest
+
+from kvstream import Agent
+from kvstream.control import messages as m
+from kvstream.control.bus import ControlBus
+from kvstream.control.identity import Identity
+from kvstream.control.subjects import Subjects
+from kvstream.prefix import block_hashes
+from kvstream.routing.service import Router, RouterConfig
+from tests.fakes import cache, small_layout
+from tests.integration.agents import cfg
+
+pytestmark = pytest.mark.anyio
+
+LAY = small_layout()  # block size 8
+PROMPT_A = list(range(1000, 1160))  # 20 blocks
+PROMPT_B = list(range(5000, 5160))
+
+
+def _ns() -> str:
+    return f"rt{uuid.uuid4().hex[:8]}"
+
+
+def _agent(name: str, ns: str, nats_server, port: int) -> Agent:
+    return Agent(cfg(name, nats_server, namespace=ns, role="prefill",
+                     endpoint=f"http://127.0.0.1:{port}"),
+                 layout=LAY, kv_caches=cache(LAY, 4, fill=False))
+
+
+async def _ask(bus: ControlBus, ns: str, prompt: list[int], **kw) -> m.Routed:
+    req = m.Route(hashes={8: block_hashes(prompt, 8)}, tokens=len(prompt), legs=["prefill"],
+                  **kw)
+    reply = await bus.request(Subjects(ns).route, req, timeout=5.0)
+    assert isinstance(reply, m.Routed), reply
+    return reply
+
+
+async def _until_routed(bus, ns, prompt, url: str, timeout: float = 10.0) -> m.Decision:
+    """Ask until the answer names ``url`` among both agents (views fill as events and
+    heartbeats arrive)."""
+    with anyio.fail_after(timeout):
+        while True:
+            with anyio.move_on_after(2):
+                got = await _ask(bus, ns, prompt)
+                if got.decisions and got.decisions[0].url == url and \
+                        got.decisions[0].candidates == 2:
+                    return got.decisions[0]
+            await anyio.sleep(0.05)
+
+
+async def _client(nats_server) -> ControlBus:
+    bus = await ControlBus.connect(nats_server.url, name="route-client")
+    bus.seal.identity = Identity(f"client-{uuid.uuid4().hex[:6]}")  # routers answer the signed
+    return bus
+
+
+async def test_a_router_started_after_the_events_and_one_restarted_route_by_prefix(nats_server):
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pa", ns, nats_server, 9101) as a, _agent("pb", ns, nats_server, 9102) as b:
+        a.kv_events().stored(block_hashes(PROMPT_A, 8))
+        b.kv_events().stored(block_hashes(PROMPT_B, 8))
+        await anyio.sleep(0.3)  # published before any router runs
+        bus = await _client(nats_server)
+        try:
+            async with Router(rcfg) as router:
+                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101")
+                assert (d.overlap, d.blocks, d.candidates) == (20, 20, 2)
+                d = await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102")
+                assert d.overlap == 20
+                assert router.statistics().gaps == 0
+            b.kv_events().removed(block_hashes(PROMPT_B, 8)[10:])  # while no router runs
+            async with Router(rcfg):  # a restart: the stream again, from its start
+                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101")
+                assert d.overlap == 20
+                with anyio.fail_after(10):  # the removal is kept too (flushed within 50 ms)
+                    while (await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102")
+                           ).overlap != 10:
+                        await anyio.sleep(0.05)
+        finally:
+            await bus.close()
+
+
+async def test_two_routers_side_by_side_both_serve(nats_server):
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pa", ns, nats_server, 9111) as a, _agent("pb", ns, nats_server, 9112):
+        a.kv_events().stored(block_hashes(PROMPT_A, 8))
+        bus = await _client(nats_server)
+        try:
+            async with Router(rcfg) as r1, Router(rcfg) as r2:
+                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9111")
+                seen = set()
+                for _ in range(40):
+                    got = await _ask(bus, ns, PROMPT_A)
+                    seen.add(got.router_id)
+                    assert got.decisions[0].url == "http://127.0.0.1:9111"
+                # Each request goes to one of the two at random: both answer some of 40
+                # (all 40 to one has odds 2**-39).
+                assert seen == {r1.router_id, r2.router_id}
+        finally:
+            await bus.close()
+
+
+async def test_load_outweighs_a_small_overlap_not_a_large_one(nats_server):
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pa", ns, nats_server, 9121) as a, _agent("pb", ns, nats_server, 9122):
+        a.kv_events().stored(block_hashes(PROMPT_A, 8)[:2])  # 2 of 20 blocks
+        bus = await _client(nats_server)
+        try:
+            async with Router(rcfg):
+                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9121")
+                # 18 to compute + 0.5 * 1 request * 20 = 28 against 20 blocks on idle pb.
+                got = await _ask(bus, ns, PROMPT_A, inflight={"http://127.0.0.1:9121": 1})
+                assert got.decisions[0].url == "http://127.0.0.1:9122"
+                a.kv_events().stored(block_hashes(PROMPT_A, 8))
+                # Now 0 + 10 = 10 against 20: the holder, in spite of its request.
+                with anyio.fail_after(10):
+                    while (await _ask(bus, ns, PROMPT_A, inflight={
+                            "http://127.0.0.1:9121": 1})).decisions[0].overlap != 20:
+                        await anyio.sleep(0.05)
+        finally:
+            await bus.close()
+
+
+async def test_a_gap_is_repaired_by_a_resync_and_forgeries_change_nothing(nats_server):
+    ns = _ns()
+    subjects = Subjects(ns)
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pa", ns, nats_server, 9131) as a, _agent("pb", ns, nats_server, 9132):
+        log = a.kv_events()
+        log.stored(block_hashes(PROMPT_A, 8)[:5])
+        bus = await _client(nats_server)
+        raw = await nats.connect(nats_server.url)
+        try:
+            async with Router(rcfg) as router:
+                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9131")
+                assert d.overlap == 5
+                # A batch lost on the way (its number taken, never stored): the next shows
+                # the gap, the stream cannot fill it, the router asks for a listing.
+                log.seq += 1
+                log.stored(block_hashes(PROMPT_A, 8)[5:12])
+                with anyio.fail_after(15):
+                    while True:
+                        view = router.index.view("pa")
+                        if router.statistics().resyncs and view is not None and \
+                                not view.stale and len(view.held) == 12:
+                            break
+                        await anyio.sleep(0.05)
+                assert router.statistics().gaps >= 1
+                # Unsigned, and signed by another instance for pb: refused, pb unchanged.
+                forged = m.KVEvents(instance_id="pb", epoch="forgedepoch", seq=1,
+                                    block_size=8, events=[m.Stored(block_hashes(PROMPT_A, 8))],
+                                    reset=True)
+                await raw.publish(subjects.kv_events("pb"), m.encode(forged))
+                async with Agent(cfg("px", nats_server, namespace=ns)) as px:
+                    await px._core.control.persist(subjects.kv_events("pb"), forged,
+                                                   a.kv_events()._stream)
+                await raw.flush()
+                await anyio.sleep(0.5)
+                assert router.index.overlap("pb", block_hashes(PROMPT_A, 8)) == 0
+                assert router.statistics().refused >= 1
+                got = await _ask(bus, ns, PROMPT_A)
+                assert got.decisions[0].url == "http://127.0.0.1:9131"
+        finally:
+            await raw.close()
+            await bus.close()
