@@ -116,11 +116,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
                 env = E.engine_env(events)
                 if role == "decode":  # its per-load INFO lines are checked
                     env["VLLM_LOGGING_LEVEL"] = "INFO"
+                # vLLM's own KV cache events, bridged by the connector for the routers.
+                kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                             "endpoint": f"tcp://*:{_port()}", "topic": "kv"}
                 procs.append(_spawn(
                     [*serve, str(model), "--host", "127.0.0.1", "--port", str(ports[role]),
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(E.BLOCK),
                      "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
-                     "--kv-transfer-config", json.dumps(cfg)],
+                     "--kv-transfer-config", json.dumps(cfg),
+                     "--kv-events-config", json.dumps(kv_events)],
                     env, root / f"{role}.log"))
             for role, proc in zip(ports, procs, strict=True):
                 _wait_http(f"http://127.0.0.1:{ports[role]}/health", proc, root / f"{role}.log")
@@ -206,6 +210,51 @@ def test_kvstream_proxy_finds_engines_in_the_registry(served):
         assert moved >= len(prompts[0]) + len(prompts[1]), moved
     finally:
         _stop(proxy)
+
+
+def _health(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_kv_aware_routing_finds_a_repeated_prompts_prefix_on_both_engines(served):
+    """``kvstream router`` fed by both engines' own KV events (bridged by the connector)
+    and ``kvstream proxy --routing kv``: a prompt sent again is routed to engines that
+    say they hold its blocks, on both legs, and its tokens equal the prefill engine's."""
+    port = _port()
+    kvs = str(Path(sys.executable).parent / "kvstream")
+    router = _spawn([kvs, "router", "--nats-url", served["nats"].url], {},
+                    served["root"] / "router.log")
+    proxy = _spawn([kvs, "proxy", "--port", str(port), "--nats-url", served["nats"].url,
+                    "--routing", "kv"], {}, served["root"] / "kvproxy.log")
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proxy, served["root"] / "kvproxy.log",
+                   timeout=30)
+        end = time.monotonic() + 20
+        while not ((h := _health(port))["prefill"] and h["decode"]) and time.monotonic() < end:
+            time.sleep(0.5)
+        prompt = E.prompt(90, 81)  # 90 // BLOCK full blocks, then a partial one
+        full = len(prompt) // E.BLOCK
+        want = _post(f"{served['prefill']}/v1/completions", _body(served["model"], prompt))
+        # Until the router answers and has both engines' events for the prompt: the
+        # prefill engine cached it just now, the decode engine once it received its KV.
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            before = _health(port)["counts"]
+            got = _post(f"http://127.0.0.1:{port}/v1/completions", _body(served["model"], prompt))
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            after = _health(port)["counts"]
+            hits = {leg: after["hit_blocks"][leg] - before["hit_blocks"][leg]
+                    for leg in ("prefill", "decode")}
+            if after["kv_routed"] > before["kv_routed"] and hits == {"prefill": full,
+                                                                     "decode": full}:
+                break
+            time.sleep(0.5)
+        assert hits == {"prefill": full, "decode": full}, (before, after, hits)
+        assert after["prompt_blocks"]["prefill"] - before["prompt_blocks"]["prefill"] == full
+    finally:
+        _stop(proxy)
+        _stop(router)
 
 
 def test_unmodified_vllm_toy_proxy_works_with_kvstream(served):

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvstream.adapters.runtime import AgentRuntime
+    from kvstream.adapters.vllm.kv_events import EventBridge
     from kvstream.engine.agent import Agent
     from kvstream.transfer import TransferResult
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
@@ -69,6 +70,7 @@ class WorkerSide(Side):
         self._instance = ranks.instance(self._instance, self._tp_rank, self._tp_size)
         self._tp = TpInfo(rank=self._tp_rank, size=self._tp_size)
         self._layout: KVLayout | None = None
+        self._kv_bridge: EventBridge | None = None  # vLLM's KV events, rank 0 (kv_events.py)
 
     def _tp_share(self, layout: KVLayout) -> TpInfo:
         """This rank's TP share as the engine announces it (which model heads it holds)."""
@@ -116,10 +118,41 @@ class WorkerSide(Side):
             self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
         self._layout, self._tp = layout, self._tp_share(layout)
         self._runtime = AgentRuntime(self._agent_config(), layout, layers)
+        if self._tp_rank == 0:
+            self._bridge_kv_events()
         self._events("registered", instance=self._instance, layout=layout.describe(),
                      fingerprint=layout.fingerprint, tp_rank=self._tp.rank,
                      tp_size=self._tp.size, total_kv_heads=self._tp.total_kv_heads)
         log.info("kvstream agent %s registered %s", self._instance, layout.describe())
+
+    def _bridge_kv_events(self) -> None:
+        """vLLM's KV cache events (``--kv-events-config``, zmq publisher) onto this agent's
+        KV event log, for KV-aware routers (``kv_events.py``)."""
+        cfg = getattr(self._vllm_config, "kv_events_config", None)
+        if cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
+            return
+        from kvstream.adapters.vllm.kv_events import EventBridge, subscriber_endpoint
+
+        rt = self._rt()
+        dp = int(getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        endpoint = subscriber_endpoint(cfg.endpoint, dp)
+
+        def sink(kind: str, hashes: list[int]) -> None:
+            def on_loop() -> None:
+                agent = rt.agent
+                if agent is None:  # closing
+                    return
+                log_ = agent.kv_events(self._block_size)
+                if kind == "stored":
+                    log_.stored(hashes)
+                elif kind == "removed":
+                    log_.removed(hashes)
+                else:
+                    log_.cleared()
+            rt.call(on_loop)
+
+        self._kv_bridge = EventBridge(endpoint, cfg.topic, self._block_size, sink)
+        log.info("kvstream agent %s bridges vLLM's KV events from %s", self._instance, endpoint)
 
     def _rt(self) -> AgentRuntime:
         if self._runtime is None:
@@ -371,6 +404,9 @@ class WorkerSide(Side):
         return errors
 
     def shutdown(self) -> None:
+        bridge, self._kv_bridge = self._kv_bridge, None
+        if bridge is not None:
+            bridge.close()
         if self._runtime is not None:
             rt, self._runtime = self._runtime, None
             rt.close()
