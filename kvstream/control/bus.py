@@ -22,7 +22,7 @@ from kvstream._exceptions import (
 )
 from kvstream.control import messages as m
 from kvstream.control.auth import NatsAuth
-from kvstream.control.identity import SENDER, Seal
+from kvstream.control.identity import SENDER, SUBJECT, Seal, Trust, open_sealed
 from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.reach import classify, probe, servers_of
 from kvstream.control.stream import StreamSpec
@@ -213,11 +213,15 @@ class ControlBus:
             raise ControlPlaneError(f"cannot subscribe to {subject}: {exc}") from exc
 
     # -- JetStream: kept messages (KV events) ---------------------------------------------
-    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec, *,
+                      rollup: bool = False) -> int:
         """Publish ``msg`` (signed) into ``stream``, creating the stream the first time it
-        is missing; the stream's sequence of it once stored (``ControlPlaneError`` if not)."""
+        is missing; the stream's sequence of it once stored (``ControlPlaneError`` if not:
+        no stream, no ack, or an answer that is not JetStream's). ``rollup``: the stream
+        drops the subject's earlier messages (this one says everything they said)."""
         data = m.encode(msg)
-        headers = self.seal.outgoing(subject, data, None)
+        extra = {"Nats-Rollup": "sub"} if rollup else None
+        headers = self.seal.outgoing(subject, data, extra)
         js = self._nc.jetstream()
         for attempt in (1, 2):
             try:
@@ -231,6 +235,10 @@ class ControlBus:
                 await self.ensure_stream(stream)
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 raise ControlPlaneError(f"storing on {subject} failed: {exc!r}") from exc
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                # Anyone subscribed to the subject can answer before the stream does.
+                raise ControlPlaneError(f"storing on {subject}: a reply that is no "
+                                        f"JetStream ack ({exc!r})") from exc
         raise ControlPlaneError(f"storing on {subject} failed")  # not reached
 
     async def ensure_stream(self, stream: StreamSpec) -> None:
@@ -249,7 +257,7 @@ class ControlBus:
                               max_age=stream.max_age_s, max_bytes=stream.max_bytes,
                               max_msgs_per_subject=stream.max_msgs_per_subject,
                               max_msg_size=stream.max_msg_size, discard=DiscardPolicy.OLD,
-                              storage=StorageType.FILE)
+                              storage=StorageType.FILE, allow_rollup_hdrs=True)
         try:
             await jsm.add_stream(config)
         except nats.js.errors.BadRequestError as exc:  # made by another agent meanwhile
@@ -258,15 +266,18 @@ class ControlBus:
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ControlPlaneError(f"cannot create stream {stream.name}: {exc!r}") from exc
 
-    async def follow(self, subject: str, stream: StreamSpec, handler: Handler) -> None:
+    async def follow(self, subject: str, stream: StreamSpec, handler: Handler, *,
+                     trust: Trust | None = None) -> None:
         """Every message of ``stream`` on ``subject``, from the first kept, then live, in
         order (an ordered consumer: nats-py recreates it after a gap), each decoded and
-        its signature checked like ``serve``'s; refused ones are counted and dropped."""
+        its signature checked, by ``trust`` if given (kept messages may be an earlier
+        incarnation's: a trust that binds keys would let them bind one); refused ones
+        are counted and dropped."""
         await self.ensure_stream(stream)
         js = self._nc.jetstream()
 
         async def on_msg(msg: Msg) -> None:
-            checked = self._check_kept(msg)
+            checked = self._check_kept(msg, trust)
             if checked is not None:
                 try:
                     await handler(*checked)
@@ -283,10 +294,12 @@ class ControlBus:
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ControlPlaneError(f"cannot follow {subject}: {exc!r}") from exc
 
-    async def kept(self, subject: str, stream: StreamSpec, *, timeout: float = 10.0,
-                   limit: int = 1 << 20) -> list[tuple[m.ControlUnion, dict[str, str]]]:
-        """What ``stream`` keeps on ``subject`` now, in order, checked like ``follow``'s
-        (at most ``limit`` messages, within ``timeout``)."""
+    async def kept(self, subject: str, stream: StreamSpec, *, trust: Trust | None = None,
+                   timeout: float = 10.0, limit: int = 1 << 16
+                   ) -> list[tuple[m.ControlUnion, dict[str, str]]]:
+        """What ``stream`` keeps on ``subject`` now, in order, checked like ``follow``'s:
+        all of it or ``ControlPlaneError`` (more than ``limit`` messages, not read within
+        ``timeout``), never a silently shorter list."""
         js = self._nc.jetstream()
         out: list[tuple[m.ControlUnion, dict[str, str]]] = []
         try:
@@ -295,24 +308,27 @@ class ControlBus:
             raise ControlPlaneError(f"cannot read {subject}: {exc!r}") from exc
         try:
             with anyio.fail_after(timeout):
-                while len(out) < limit:
-                    try:
-                        msg = await sub.next_msg(timeout=min(1.0, timeout))
-                    except nats.errors.TimeoutError:
-                        break  # nothing kept (or nothing more)
-                    checked = self._check_kept(msg)
+                pending = int((await sub.consumer_info()).num_pending or 0)
+                if pending > limit:
+                    raise ControlPlaneError(f"{subject} keeps {pending} messages, over {limit}")
+                while pending:
+                    msg = await sub.next_msg(timeout=timeout)
+                    checked = self._check_kept(msg, trust)
                     if checked is not None:
                         out.append(checked)
-                    if msg.metadata.num_pending == 0:
-                        break
-        except TimeoutError as exc:
+                    pending = int(msg.metadata.num_pending)
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise ControlPlaneError(f"reading {subject} took over {timeout} s") from exc
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ControlPlaneError(f"reading {subject} failed: {exc!r}") from exc
         finally:
-            with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
+            with anyio.move_on_after(2.0, shield=True), \
+                    contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
                 await sub.unsubscribe()
         return out
 
-    def _check_kept(self, msg: Msg) -> tuple[m.ControlUnion, dict[str, str]] | None:
+    def _check_kept(self, msg: Msg, trust: Trust | None
+                    ) -> tuple[m.ControlUnion, dict[str, str]] | None:
         try:
             decoded = m.decode(msg.data)
         except MessageDecodeError as exc:
@@ -320,7 +336,18 @@ class ControlBus:
             self._quiet.warning("malformed", "dropped malformed message on %s: %s",
                                 msg.subject, exc)
             return None
-        headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
+        if trust is None:
+            headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
+        else:
+            headers = {k: v for k, v in (msg.headers or {}).items()
+                       if k not in (SENDER, SUBJECT)}
+            headers[SUBJECT] = msg.subject
+            sender = open_sealed(msg.subject, msg.data, headers, trust)
+            if sender is None:
+                self.seal.forged += 1
+                headers = None
+            else:
+                headers[SENDER] = sender
         if headers is None:
             self._quiet.warning("unauthenticated", "refused an unauthenticated message "
                                 "on %s", msg.subject)

@@ -35,7 +35,9 @@ from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.port import Handler
 from kvstream.control.stream import StreamSpec
 
-__all__ = ["BUFFER", "DropRule", "MemoryBus", "MemoryHub"]
+__all__ = ["BUFFER", "MAX_KEPT", "DropRule", "MemoryBus", "MemoryHub"]
+
+MAX_KEPT = 1 << 16  # messages a hub's stream keeps (the oldest go first)
 
 log = logging.getLogger("kvstream.control")
 
@@ -167,6 +169,7 @@ class MemoryHub:
         self._inbox = itertools.count()
         self.dropped = 0
         self.kept: dict[str, list[tuple[str, m.ControlMessage]]] = {}  # persist(), by stream
+        self.kept_seq = 0
 
     async def __aenter__(self) -> MemoryHub:
         tg = anyio.create_task_group()
@@ -304,12 +307,18 @@ class MemoryBus:
         self.hub._subscribe(sub)
         self._subs.append(sub)
 
-    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
-        """Published, and kept in the hub's ``kept[stream.name]`` (a stream's messages)."""
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec, *,
+                      rollup: bool = False) -> int:
+        """Published, and kept in the hub's ``kept[stream.name]`` (the last ``MAX_KEPT``
+        of a stream's messages; ``rollup`` drops the subject's earlier ones)."""
         await self.publish(subject, msg)
         kept = self.hub.kept.setdefault(stream.name, [])
+        if rollup:
+            kept[:] = [(s, k) for s, k in kept if s != subject]
         kept.append((subject, msg))
-        return len(kept)
+        del kept[:-MAX_KEPT]
+        self.hub.kept_seq += 1
+        return self.hub.kept_seq
 
     async def flush(self, timeout: float = 2.0) -> None:
         """Subscriptions take effect at once here and publishes are queued when they

@@ -26,7 +26,8 @@ History:
       its own events subject, kept in JetStream), ``KVResync`` (a router asks an instance
       to publish its blocks afresh), ``Route``/``Routed`` (a proxy asks the routers'
       queue group where a request goes); ``Announce.requests`` and ``Announce.kv_used``
-      (the load a router weighs; 0 from older peers).
+      (the load a router weighs; 0 from older peers), ``Announce.kv_epoch``/``kv_seq``
+      (the instance's latest stored KV events batch).
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # requests it is serving, KV blocks in use.
     requests: Count = 0
     kv_used: Count = 0
+    # Its KV events' latest stored batch ("" / 0: none), so a router that lacks it repairs.
+    kv_epoch: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    kv_seq: Count = 0
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):

@@ -44,9 +44,10 @@ class ControlPort(Protocol):
         queue group gets each message."""
         ...
 
-    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec) -> int:
+    async def persist(self, subject: str, msg: m.ControlMessage, stream: StreamSpec, *,
+                      rollup: bool = False) -> int:
         """Publish ``msg`` into ``stream`` (JetStream), its stream sequence once stored;
-        ``ControlPlaneError`` if it was not."""
+        ``ControlPlaneError`` if it was not. ``rollup``: the subject's earlier messages go."""
         ...
 
     async def flush(self, timeout: float = 2.0) -> None:

@@ -74,9 +74,10 @@ class Subjects:
         """The least an instance needs on NATS (docs/architecture.md, "NATS credentials and
         permissions"): publish to control subjects, its own registry subject and reply
         inboxes; subscribe to its own control subject, the registry and its own inboxes."""
+        stream = self.kv_events_stream  # looked up, and made if missing: this one only
         return {"publish": [self.control_all, self.registry(instance_id),
-                            self.kv_events(instance_id), "_INBOX.>", "$JS.API.STREAM.INFO.*",
-                            "$JS.API.STREAM.CREATE.*"],
+                            self.kv_events(instance_id), "_INBOX.>",
+                            f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"],
                 "subscribe": [self.control(instance_id), self.registry_all,
                               f"{self.inbox(instance_id)}.>"]}
 

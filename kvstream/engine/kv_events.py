@@ -5,7 +5,11 @@ The engine (or its adapter) says what its prefix cache did (``stored``, ``remove
 ``cleared``); the log coalesces, batches and publishes (``KVEvents``: ``seq`` 1, 2, ...
 per ``epoch``, one epoch per incarnation, the first batch a ``reset``). It also keeps
 the set of hashes held (bounded), so it can list them afresh: after a batch it could not
-store, and when a router asks (``KVResync``, at most once per ``RESYNC_PAUSE_S``).
+store, when a router asks (``KVResync``, at most once per ``RESYNC_PAUSE_S``), and when
+more has been published since the last listing than twice what is held (compaction). A
+listing rolls up the instance's subject in the stream: a router reads what holds now,
+not the instance's history. Its latest epoch and batch number go in its heartbeat, so
+a router also learns of a lost last batch.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class KVEventLog:
         self._pending_hashes = 0
         self._resync = True  # the first batch: a reset (this incarnation held nothing)
         self._last_resync = -RESYNC_PAUSE_S
+        self._resync_due: float | None = None  # a listing asked for, when it may go out
+        self._since_reset = 0  # hashes published since the last listing (compaction)
         self._wake = anyio.Event()
         self._stream = kv_events_stream(core.subjects)
         self.published = 0  # batches stored
@@ -84,18 +90,15 @@ class KVEventLog:
         self._pending.append(m.Cleared())
         self._wake.set()
 
-    def resync(self, reason: str = "") -> bool:
-        """List every block held afresh (a ``reset`` batch) at the next flush; False if
-        one was listed less than ``RESYNC_PAUSE_S`` ago (a flood of requests costs one)."""
-        now = self.core.clock()
-        if now - self._last_resync < RESYNC_PAUSE_S:
-            return False
-        self._last_resync = now
-        log.info("%s: listing its %d prefix blocks afresh (%s)", self.core.instance_id,
-                 len(self.held), reason or "asked")
-        self._resync = True
-        self._wake.set()
-        return True
+    def resync(self, reason: str = "") -> None:
+        """List every block held afresh (a ``reset`` batch): at the next flush, or, if
+        one was listed less than ``RESYNC_PAUSE_S`` ago, once that pause is over (a
+        flood of requests costs one listing per pause, and none is lost)."""
+        if self._resync_due is None:
+            log.info("%s: listing its %d prefix blocks afresh (%s)", self.core.instance_id,
+                     len(self.held), reason or "asked")
+            self._resync_due = max(self.core.clock(), self._last_resync + RESYNC_PAUSE_S)
+            self._wake.set()
 
     def _add(self, kind: type[m.Stored] | type[m.Removed], hashes: list[int]) -> None:
         if not hashes:
@@ -115,20 +118,37 @@ class KVEventLog:
     # -- publishing -----------------------------------------------------------------
     async def run(self) -> None:
         """Publish until cancelled (the agent's task group); after a batch the stream did
-        not take, wait longer each time (up to 5 s) before the listing that repairs it."""
-        pause = self.flush_s
+        not take, wait longer each time (0.2 s doubling to 5 s, whatever the engine does
+        meanwhile) before the listing that repairs it. Nothing here ends the agent."""
+        backoff = 0.0
         while True:
-            with anyio.move_on_after(pause):
-                await self._wake.wait()
+            if backoff:
+                await anyio.sleep(backoff)
+            else:
+                with anyio.move_on_after(self.flush_s):
+                    await self._wake.wait()
             self._wake = anyio.Event()
-            pause = self.flush_s if await self.flush() else min(5.0, max(0.2, pause * 2))
+            due = self._resync_due
+            if due is not None and due <= self.core.clock():
+                self._resync_due = None
+                self._last_resync = self.core.clock()
+                self._resync = True
+            try:
+                ok = await self.flush()
+            except Exception:  # a bug here must not take the agent down: relist later
+                log.exception("%s: publishing KV events failed", self.core.instance_id)
+                self._resync, ok = True, False
+            backoff = 0.0 if ok else min(5.0, max(0.2, backoff * 2))
 
     async def flush(self) -> bool:
         """Publish what waits: a ``reset`` listing when due, else the pending events.
         False if the stream did not take a batch (the next flush lists every block)."""
+        if self._since_reset > 2 * len(self.held) + MAX_BATCH_HASHES:
+            self._resync = True  # compaction: the stream then keeps the listing only
         reset = self._resync
         if reset:
             self._resync = False
+            self._since_reset = 0
             self._pending.clear()
             self._pending_hashes = 0
             held = list(self.held)
@@ -145,8 +165,10 @@ class KVEventLog:
                              reset=reset)
             reset = False
             try:
+                # A reset rolls up the subject: the stream keeps what holds from here on.
                 await self.core.control.persist(
-                    self.core.subjects.kv_events(self.core.instance_id), msg, self._stream)
+                    self.core.subjects.kv_events(self.core.instance_id), msg, self._stream,
+                    rollup=msg.reset)
             except KVStreamError as exc:
                 # Lost: routers see the gap; the next flush lists everything held.
                 self.failed += 1
@@ -155,6 +177,9 @@ class KVEventLog:
                             "afresh next", self.core.instance_id, self.seq, exc)
                 return False
             self.published += 1
+            self._since_reset += sum(len(e.hashes) for e in batch
+                                     if isinstance(e, (m.Stored, m.Removed)))
+            self.core.kv_epoch, self.core.kv_seq = self.epoch, self.seq  # in the heartbeat
         return True
 
 

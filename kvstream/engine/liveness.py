@@ -104,7 +104,8 @@ class Liveness:
             forgot=dict(core.forgot), host=core.paths.host, tcp=core.paths.tcp_address,
             shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer, tp=core.config.tp,
             kv_device="cpu" if mem and mem.device.type == "cpu" else "cuda" if mem else "",
-            requests=core.requests, kv_used=core.kv_used))
+            requests=core.requests, kv_used=core.kv_used, kv_epoch=core.kv_epoch,
+            kv_seq=core.kv_seq))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core

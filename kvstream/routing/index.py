@@ -33,14 +33,19 @@ class View:
 
 
 class PrefixIndex:
-    """Views of up to ``max_instances`` instances, each of at most ``max_blocks`` hashes
-    (a peer's flood of stores is bounded: the extra ones are counted, not kept)."""
+    """Views of at most ``max_instances`` instances, each of at most ``max_blocks``
+    hashes, ``max_total`` in all: a peer's flood of stores is bounded (the extra ones
+    are counted, not kept), and when the table is full the view updated longest ago
+    goes (instances come and go: a departed one's view must not crowd out a live one)."""
 
-    def __init__(self, *, max_blocks: int = 1 << 20, max_instances: int = 4096) -> None:
-        self.max_blocks, self.max_instances = max_blocks, max_instances
-        self._views: OrderedDict[str, View] = OrderedDict()
-        self._retired: dict[str, list[str]] = {}
-        self.refused = 0
+    def __init__(self, *, max_blocks: int = 1 << 20, max_instances: int = 4096,
+                 max_total: int = 1 << 22) -> None:
+        self.max_blocks, self.max_instances, self.max_total = max_blocks, max_instances, max_total
+        self._views: OrderedDict[str, View] = OrderedDict()  # least recently updated first
+        self._retired: OrderedDict[str, list[str]] = OrderedDict()
+        self._total = 0  # hashes held over all views (but the one being applied)
+        self.refused = 0  # hashes not kept (a view's or the index's bound)
+        self.evicted = 0  # views dropped for room
 
     def apply(self, batch: m.KVEvents) -> Applied:
         """Apply one batch. ``gap``: applied, but a batch before it is missing (repair)."""
@@ -49,18 +54,22 @@ class PrefixIndex:
         if view is None or view.epoch != batch.epoch:
             if batch.epoch in self._retired.get(iid, ()):
                 return "duplicate"  # a late batch of an incarnation that is over
-            if view is None and iid not in self._views and \
-                    len(self._views) >= self.max_instances:
-                self.refused += 1
-                return "refused"
             if view is not None:
+                self.forget(iid)
                 retired = self._retired.setdefault(iid, [])
                 retired.append(view.epoch)
                 del retired[:-MAX_RETIRED]
+                self._retired.move_to_end(iid)
+                while len(self._retired) > self.max_instances:
+                    self._retired.popitem(last=False)
+            elif len(self._views) >= self.max_instances:
+                self._evict()
             view = self._views[iid] = View(batch.epoch, batch.block_size)
         elif batch.seq <= view.seq:
             return "duplicate"
         gap = batch.seq != view.seq + 1 and not batch.reset
+        self._views.move_to_end(iid)
+        self._total -= len(view.held)  # counted again below
         if batch.reset:
             view.held.clear()
             view.stale = False
@@ -68,19 +77,38 @@ class PrefixIndex:
         view.stale = view.stale or gap
         for event in batch.events:
             self._event(view, event)
-        self._views.move_to_end(iid)
+        self._total += len(view.held)
         return "gap" if gap else "applied"
 
     def _event(self, view: View, event: m.KVEvent) -> None:
         if isinstance(event, m.Stored):
-            room = self.max_blocks - len(view.held)
-            if len(event.hashes) > room:
-                view.overflow += len(event.hashes) - max(0, room)
-            view.held.update(event.hashes[:max(0, room)])
+            new = [h for h in event.hashes if h not in view.held]
+            while self._total + len(view.held) + len(new) > self.max_total and \
+                    self._evict(but=view):
+                pass
+            room = min(self.max_blocks - len(view.held),
+                       self.max_total - self._total - len(view.held))
+            take = new[:max(0, room)]
+            view.overflow += len(new) - len(take)
+            self.refused += len(new) - len(take)
+            view.held.update(take)
         elif isinstance(event, m.Removed):
             view.held.difference_update(event.hashes)
         else:
             view.held.clear()
+
+    def _evict(self, but: View | None = None) -> bool:
+        """Drop the view updated longest ago (not ``but``); False if there is none."""
+        for iid, view in self._views.items():
+            if view is not but:
+                self.forget(iid)
+                self.evicted += 1
+                return True
+        return False
+
+    def retired(self, instance_id: str) -> list[str]:
+        """The epochs of ``instance_id`` this index saw end (their batches are ignored)."""
+        return list(self._retired.get(instance_id, ()))
 
     def overlap(self, instance_id: str, hashes: Sequence[int]) -> int:
         """How many of a prompt's blocks, from its first, ``instance_id`` holds (a prefix
@@ -101,7 +129,9 @@ class PrefixIndex:
 
     def forget(self, instance_id: str) -> None:
         """Drop an instance's view (it left; or a repair rebuilds it from the stream)."""
-        self._views.pop(instance_id, None)
+        view = self._views.pop(instance_id, None)
+        if view is not None:
+            self._total -= len(view.held)
 
     def instances(self) -> list[str]:
         return list(self._views)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from kvstream._exceptions import ConfigError, KVStreamError
+from kvstream._exceptions import ConfigError
 from kvstream.control import messages as m
 from kvstream.control.auth import NatsAuth
 from kvstream.control.bus import ControlBus
@@ -38,7 +39,11 @@ __all__ = ["ROUTERS", "Router", "RouterConfig", "RouterStatistics", "decide"]
 log = logging.getLogger("kvstream.router")
 
 ROUTERS = "kvs-routers"  # the queue group of the routers of a namespace
-MAX_BUFFERED = 4096  # live batches of one instance held while its view is repaired
+MAX_BUFFERED = 256  # live batches of one instance held while its view is reread
+MAX_REPAIRS = 64  # instances repaired at once (the others wait for their next gap or heartbeat)
+REPAIR_PAUSE_S = 5.0  # between two rereads of one instance's events
+RESYNC_RETRY_S = 10.0  # between two requests for an instance's listing
+MAX_LOAD = 1e12  # Decision.load and .cost (an announced load is a peer's number)
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,8 +99,8 @@ def decide(directory: Directory, index: PrefixIndex, req: m.Route, role: m.LegRo
         return None
     c = best.candidate
     return m.Decision(role=role, url=c.url, instance_ids=list(c.instance_ids),
-                      overlap=c.overlap, blocks=c.blocks, load=c.load, cost=best.cost,
-                      candidates=len(cands))
+                      overlap=c.overlap, blocks=c.blocks, load=min(c.load, MAX_LOAD),
+                      cost=min(best.cost, MAX_LOAD), candidates=len(cands))
 
 
 class Router:
@@ -113,7 +118,13 @@ class Router:
         self._bus: ControlBus | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tg: Any = None
-        self._repairing: dict[str, list[m.KVEvents]] = {}
+        # Instances whose view is being repaired: None until the reread starts, then the
+        # live batches that arrive during it.
+        self._repairing: dict[str, list[m.KVEvents] | None] = {}
+        self._last_repair: dict[str, float] = {}
+        self._asked: dict[str, float] = {}  # when an instance was last asked for a listing
+        self._keys: dict[str, bytes] = {}  # the announced key each view was read under
+        self._heard: dict[str, tuple[str, int]] = {}  # the latest batch each announced
         self._turn: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
 
@@ -136,17 +147,24 @@ class Router:
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.callback(self._tg.cancel_scope.cancel)
         # Signed like an agent (its resync requests are told apart), and it believes only
-        # events and announcements signed by the instance they name.
+        # announcements signed by the instance they name, and events signed with the key
+        # that instance announced: the stream keeps earlier incarnations' events too, and
+        # those must neither count nor bind a key (``_kv_trust``).
         registry = self.directory.registry
         bus.seal.identity = Identity(self.router_id)
         bus.seal.trust = registry.bind_key
         bus.seal.registry_prefix = self.subjects.registry_prefix
         await bus.serve(self.subjects.registry_all, self._on_registry)
         await bus.flush()
-        await bus.follow(self.subjects.kv_events_all, self._stream, self._on_events)
+        await bus.follow(self.subjects.kv_events_all, self._stream, self._on_events,
+                         trust=self._kv_trust)
         await bus.serve(self.subjects.route, self._on_route, queue=ROUTERS)
         await bus.flush()
         log.info("router %s serving %s", self.router_id, self.subjects.route)
+
+    def _kv_trust(self, instance_id: str, key: bytes, announced: bool) -> bool:
+        info = self.directory.registry.get(instance_id)
+        return info is not None and info.announced and info.key == key
 
     async def _on_registry(self, msg: m.ControlUnion, headers: dict[str, str]) -> None:
         iid = getattr(msg, "instance_id", None)
@@ -154,12 +172,46 @@ class Router:
                 headers.get(SUBJECT) != self.subjects.registry_prefix + iid:
             return None
         self.directory.observe(msg)
+        if isinstance(msg, m.Leave):
+            self.index.forget(iid)
+            self._keys.pop(iid, None)
+            self._heard.pop(iid, None)
+        elif isinstance(msg, m.Announce):
+            self._check_view(msg)
         return None
+
+    def _check_view(self, ann: m.Announce) -> None:
+        """Repair ``ann``'s instance's view when its key is new to this router (its events
+        so far were not believed), when it lacks a batch the instance announced a
+        heartbeat ago (a lost last batch has no later one to show the gap), or ask again
+        for a listing a stale view still waits for."""
+        iid = ann.instance_id
+        info = self.directory.registry.get(iid)
+        key = info.key if info is not None and info.announced else b""
+        if key and self._keys.get(iid) != key:
+            self._keys[iid] = key
+            if len(self._keys) > self.index.max_instances:
+                self._keys.pop(next(iter(self._keys)))
+            self._want_repair(iid, "its key is new here")
+            return
+        view = self.index.view(iid)
+        before = self._heard.get(iid)
+        self._heard[iid] = (ann.kv_epoch, ann.kv_seq)
+        if len(self._heard) > self.index.max_instances:
+            self._heard.pop(next(iter(self._heard)))
+        if before is not None and before[1] and (
+                view is None or (view.epoch != before[0] and before[0] not in self.index.retired(iid))
+                or (view.epoch == before[0] and view.seq < before[1])):
+            self._want_repair(iid, f"batch {before[1]} was announced, not seen")
+        elif view is not None and view.stale and \
+                time.monotonic() - self._asked.get(iid, -RESYNC_RETRY_S) > RESYNC_RETRY_S:
+            self._tg.start_soon(self._ask_resync, iid, view.seq)
 
     # -- KV events ------------------------------------------------------------------
     def _checked(self, msg: m.ControlUnion, headers: dict[str, str]) -> m.KVEvents | None:
+        """The batch, if signed by the instance it names on that instance's own subject."""
         if not isinstance(msg, m.KVEvents) or msg.instance_id != headers.get(SENDER) or \
-                headers.get(SUBJECT) != self.subjects.kv_events(msg.instance_id):
+                headers.get(SUBJECT) != f"{self.subjects.prefix}.kvev.{msg.instance_id}":
             self._counts["refused"] += 1
             return None
         return msg
@@ -168,9 +220,11 @@ class Router:
         batch = self._checked(msg, headers)
         if batch is None:
             return None
-        held = self._repairing.get(batch.instance_id)
-        if held is not None:  # applied after the reread, in order
-            if len(held) < MAX_BUFFERED:
+        iid = batch.instance_id
+        if iid in self._repairing:
+            held = self._repairing[iid]
+            # Before the reread starts the reread has it; during it, applied after it.
+            if held is not None and len(held) < MAX_BUFFERED:
                 held.append(batch)
             return None
         self._apply(batch)
@@ -183,39 +237,67 @@ class Router:
             return
         if got != "duplicate":
             self._counts["events"] += 1
-        if got == "gap" and batch.instance_id not in self._repairing:
+        if got == "gap":
             self._counts["gaps"] += 1
-            self._repairing[batch.instance_id] = []
-            self._tg.start_soon(self._repair, batch.instance_id)
+            self._want_repair(batch.instance_id, f"batch {batch.seq} showed a gap")
 
-    async def _repair(self, iid: str) -> None:
-        """Reread ``iid``'s batches from the stream; still a gap: ask it for a listing."""
+    def _want_repair(self, iid: str, why: str) -> None:
+        """Reread ``iid``'s events from the stream, at most once per ``REPAIR_PAUSE_S``
+        per instance (a peer that makes gaps on purpose costs a reread per pause)."""
+        if iid in self._repairing or len(self._repairing) >= MAX_REPAIRS:
+            return
+        wait = self._last_repair.get(iid, -REPAIR_PAUSE_S) + REPAIR_PAUSE_S - time.monotonic()
+        self._repairing[iid] = None
+        log.debug("router %s: repairing %s's view (%s)", self.router_id, iid, why)
+        self._tg.start_soon(self._repair, iid, max(0.0, wait))
+
+    async def _repair(self, iid: str, wait: float) -> None:
+        """Reread ``iid``'s batches from the stream; still a gap: ask it for a listing.
+        Never raises (a peer's bad batch must not end the router)."""
         assert self._bus is not None
-        self._counts["repairs"] += 1
+        kept = None
         try:
-            kept = await self._bus.kept(self.subjects.kv_events(iid), self._stream)
-        except KVStreamError as exc:
-            log.warning("router %s: rereading %s's KV events failed: %s", self.router_id, iid,
-                        exc)
-            kept = []
-        held = self._repairing.pop(iid, [])
-        if kept:
-            self.index.forget(iid)
-            for msg, headers in kept:
-                batch = self._checked(msg, headers)
-                if batch is not None:
-                    self.index.apply(batch)
-        for batch in held:
-            self.index.apply(batch)
+            if wait:
+                await anyio.sleep(wait)
+            self._last_repair[iid] = time.monotonic()
+            if len(self._last_repair) > 2 * MAX_REPAIRS:
+                self._last_repair.pop(next(iter(self._last_repair)))
+            self._counts["repairs"] += 1
+            self._repairing[iid] = []
+            kept = await self._bus.kept(self.subjects.kv_events(iid), self._stream,
+                                        trust=self._kv_trust)
+        except Exception as exc:
+            log.warning("router %s: rereading %s's KV events failed: %r", self.router_id,
+                        iid, exc)
+        finally:
+            held = self._repairing.pop(iid, None) or []
+            if kept is not None:
+                self.index.forget(iid)
+                for msg, headers in kept:
+                    batch = self._checked(msg, headers)
+                    if batch is not None:
+                        self.index.apply(batch)
+            for batch in held:
+                self.index.apply(batch)
         view = self.index.view(iid)
-        if view is not None and view.stale:
-            self._counts["resyncs"] += 1
-            try:
-                await self._bus.publish(self.subjects.control(iid), m.KVResync(
-                    instance_id=iid, reason=f"{self.router_id}: batch before {view.seq} missing"))
-            except KVStreamError as exc:
-                log.warning("router %s: asking %s to resync failed: %s", self.router_id, iid,
-                            exc)
+        heard = self._heard.get(iid)
+        behind = view is not None and heard is not None and view.epoch == heard[0] and \
+            view.seq < heard[1]  # the instance announced a batch the stream does not have
+        if view is not None and (view.stale or behind):
+            view.stale = True
+            await self._ask_resync(iid, view.seq)
+
+    async def _ask_resync(self, iid: str, seq: int) -> None:
+        assert self._bus is not None
+        self._asked[iid] = time.monotonic()
+        if len(self._asked) > self.index.max_instances:
+            self._asked.pop(next(iter(self._asked)))
+        self._counts["resyncs"] += 1
+        try:
+            await self._bus.publish(self.subjects.control(iid), m.KVResync(
+                instance_id=iid, reason=f"{self.router_id}: a batch before {seq} is missing"))
+        except Exception as exc:
+            log.warning("router %s: asking %s to resync failed: %r", self.router_id, iid, exc)
 
     # -- routing --------------------------------------------------------------------
     async def _on_route(self, msg: m.ControlUnion, headers: dict[str, str]

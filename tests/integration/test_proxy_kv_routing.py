@@ -86,7 +86,7 @@ async def test_both_legs_go_where_the_prefix_is_and_without_a_router_least_loade
             Router(RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)))
         proxy = await stack.enter_async_context(Proxy(ProxyConfig(
             port=0, nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0,
-            routing="kv")))
+            routing="kv", route_timeout_s=5.0)))
         client = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
         body = {"model": "m", "prompt": TEXT, "max_tokens": 4}
@@ -94,12 +94,14 @@ async def test_both_legs_go_where_the_prefix_is_and_without_a_router_least_loade
             while (len(proxy.directory.instances("prefill")),
                    len(proxy.directory.instances("decode"))) != (2, 2):
                 await anyio.sleep(0.02)
-        with anyio.fail_after(15):  # until the router has every announcement and event
+        with anyio.fail_after(30):  # until the router has every announcement and event
             while True:
-                before = (len(p2.received), len(d1.received))
+                before = (len(p2.received), len(d1.received), proxy.statistics())
                 async with client.post(proxy.url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200, await resp.text()
-                if (len(p2.received), len(d1.received)) == (before[0] + 1, before[1] + 1):
+                now = proxy.statistics()
+                if (len(p2.received), len(d1.received)) == (before[0] + 1, before[1] + 1) \
+                        and now.hit_blocks["decode"] - before[2].hit_blocks["decode"] == 11:
                     break
                 await anyio.sleep(0.1)
         stats = proxy.statistics()

@@ -46,16 +46,18 @@ async def _ask(bus: ControlBus, ns: str, prompt: list[int], **kw) -> m.Routed:
     return reply
 
 
-async def _until_routed(bus, ns, prompt, url: str, timeout: float = 10.0) -> m.Decision:
-    """Ask until the answer names ``url`` among both agents (views fill as events and
-    heartbeats arrive)."""
+async def _until_routed(bus, ns, prompt, url: str, overlap: int | None = None,
+                        timeout: float = 10.0) -> m.Decision:
+    """Ask until the answer names ``url`` among both agents, with ``overlap`` if given
+    (views fill as events and heartbeats arrive)."""
     with anyio.fail_after(timeout):
         while True:
             with anyio.move_on_after(2):
                 got = await _ask(bus, ns, prompt)
-                if got.decisions and got.decisions[0].url == url and \
-                        got.decisions[0].candidates == 2:
-                    return got.decisions[0]
+                d = got.decisions[0] if got.decisions else None
+                if d is not None and d.url == url and d.candidates == 2 and \
+                        overlap in (None, d.overlap):
+                    return d
             await anyio.sleep(0.05)
 
 
@@ -71,23 +73,21 @@ async def test_a_router_started_after_the_events_and_one_restarted_route_by_pref
     async with _agent("pa", ns, nats_server, 9101) as a, _agent("pb", ns, nats_server, 9102) as b:
         a.kv_events().stored(block_hashes(PROMPT_A, 8))
         b.kv_events().stored(block_hashes(PROMPT_B, 8))
-        await anyio.sleep(0.3)  # published before any router runs
+        with anyio.fail_after(10):  # published before any router runs
+            while not (a.kv_events().published and b.kv_events().published):
+                await anyio.sleep(0.02)
         bus = await _client(nats_server)
         try:
             async with Router(rcfg) as router:
-                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101")
+                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101", 20)
                 assert (d.overlap, d.blocks, d.candidates) == (20, 20, 2)
-                d = await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102")
-                assert d.overlap == 20
+                await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102", 20)
                 assert router.statistics().gaps == 0
             b.kv_events().removed(block_hashes(PROMPT_B, 8)[10:])  # while no router runs
             async with Router(rcfg):  # a restart: the stream again, from its start
-                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101")
-                assert d.overlap == 20
-                with anyio.fail_after(10):  # the removal is kept too (flushed within 50 ms)
-                    while (await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102")
-                           ).overlap != 10:
-                        await anyio.sleep(0.05)
+                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9101", 20)
+                # The removal is kept too (flushed within 50 ms).
+                await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9102", 10)
         finally:
             await bus.close()
 
@@ -100,7 +100,11 @@ async def test_two_routers_side_by_side_both_serve(nats_server):
         bus = await _client(nats_server)
         try:
             async with Router(rcfg) as r1, Router(rcfg) as r2:
-                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9111")
+                with anyio.fail_after(10):  # both have both engines and pa's blocks
+                    while not all(len(r.directory.instances("prefill")) == 2 and
+                                  r.index.overlap("pa", block_hashes(PROMPT_A, 8)) == 20
+                                  for r in (r1, r2)):
+                        await anyio.sleep(0.05)
                 seen = set()
                 for _ in range(40):
                     got = await _ask(bus, ns, PROMPT_A)
@@ -121,7 +125,7 @@ async def test_load_outweighs_a_small_overlap_not_a_large_one(nats_server):
         bus = await _client(nats_server)
         try:
             async with Router(rcfg):
-                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9121")
+                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9121", 2)
                 # 18 to compute + 0.5 * 1 request * 20 = 28 against 20 blocks on idle pb.
                 got = await _ask(bus, ns, PROMPT_A, inflight={"http://127.0.0.1:9121": 1})
                 assert got.decisions[0].url == "http://127.0.0.1:9122"
@@ -146,8 +150,7 @@ async def test_a_gap_is_repaired_by_a_resync_and_forgeries_change_nothing(nats_s
         raw = await nats.connect(nats_server.url)
         try:
             async with Router(rcfg) as router:
-                d = await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9131")
-                assert d.overlap == 5
+                await _until_routed(bus, ns, PROMPT_A, "http://127.0.0.1:9131", 5)
                 # A batch lost on the way (its number taken, never stored): the next shows
                 # the gap, the stream cannot fill it, the router asks for a listing.
                 log.seq += 1
@@ -169,11 +172,68 @@ async def test_a_gap_is_repaired_by_a_resync_and_forgeries_change_nothing(nats_s
                     await px._core.control.persist(subjects.kv_events("pb"), forged,
                                                    a.kv_events()._stream)
                 await raw.flush()
-                await anyio.sleep(0.5)
+                with anyio.fail_after(10):  # the signed one, refused (the unsigned: forged)
+                    while not router.statistics().refused:
+                        await anyio.sleep(0.05)
                 assert router.index.overlap("pb", block_hashes(PROMPT_A, 8)) == 0
-                assert router.statistics().refused >= 1
                 got = await _ask(bus, ns, PROMPT_A)
                 assert got.decisions[0].url == "http://127.0.0.1:9131"
         finally:
             await raw.close()
             await bus.close()
+
+
+async def test_a_restarted_instances_old_events_do_not_count(nats_server):
+    """The stream still holds the first incarnation's batches (signed with its key): a
+    router started after the restart routes by what the new incarnation holds."""
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pb", ns, nats_server, 9142):
+        async with _agent("pa", ns, nats_server, 9141) as old:
+            old.kv_events().stored(block_hashes(PROMPT_A, 8))
+            with anyio.fail_after(10):
+                while not old.kv_events().published:
+                    await anyio.sleep(0.02)
+        async with _agent("pa", ns, nats_server, 9141) as new:  # same id, new key, new epoch
+            new.kv_events().stored(block_hashes(PROMPT_B, 8))
+            with anyio.fail_after(10):
+                while not new.kv_events().published:
+                    await anyio.sleep(0.02)
+            bus = await _client(nats_server)
+            try:
+                async with Router(rcfg) as router:
+                    d = await _until_routed(bus, ns, PROMPT_B, "http://127.0.0.1:9141")
+                    with anyio.fail_after(10):
+                        while router.index.overlap("pa", block_hashes(PROMPT_B, 8)) != 20:
+                            await anyio.sleep(0.05)
+                    assert router.index.overlap("pa", block_hashes(PROMPT_A, 8)) == 0
+                    assert router.index.view("pa").epoch == new.kv_events().epoch
+                    assert d.candidates == 2
+            finally:
+                await bus.close()
+
+
+async def test_a_lost_last_batch_is_seen_in_the_heartbeat_and_relisted(nats_server):
+    """No later batch shows the gap: the instance's heartbeat names its latest batch; the
+    stream lacks it, so the router asks for a listing."""
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=1.0)
+    async with _agent("pa", ns, nats_server, 9151) as a, _agent("pb", ns, nats_server, 9152):
+        log = a.kv_events()
+        log.stored(block_hashes(PROMPT_A, 8)[:4])
+        async with Router(rcfg) as router:
+            with anyio.fail_after(10):
+                while router.index.overlap("pa", block_hashes(PROMPT_A, 8)) != 4:
+                    await anyio.sleep(0.05)
+            # A batch stored in the instance's mind only (its number spent, announced).
+            log.seq += 1
+            a._core.kv_seq = log.seq
+            lost = log.seq
+            with anyio.fail_after(20):
+                while True:
+                    view = router.index.view("pa")
+                    if view is not None and view.seq > lost and not view.stale:
+                        break
+                    await anyio.sleep(0.05)
+            assert router.statistics().resyncs >= 1
+            assert router.index.overlap("pa", block_hashes(PROMPT_A, 8)) == 4

@@ -53,13 +53,19 @@ def test_a_gap_marks_the_view_stale_until_a_reset_and_a_new_epoch_starts_afresh(
     assert idx.apply(_batch(7, m.Stored([1]), iid="b")) == "gap"
 
 
-def test_the_index_is_bounded():
-    idx = PrefixIndex(max_blocks=3, max_instances=2)
+def test_the_index_is_bounded_and_makes_room_by_the_view_updated_longest_ago():
+    idx = PrefixIndex(max_blocks=3, max_instances=2, max_total=5)
     idx.apply(_batch(1, m.Stored([1, 2, 3, 4, 5]), reset=True))
-    assert len(idx.view("a").held) == 3 and idx.view("a").overflow == 2
-    idx.apply(_batch(1, reset=True, iid="b"))
-    assert idx.apply(_batch(1, reset=True, iid="c")) == "refused" and idx.refused == 1
-    assert sorted(idx.instances()) == ["a", "b"]
+    assert idx.view("a").held == {1, 2, 3} and idx.view("a").overflow == 2
+    idx.apply(_batch(1, m.Stored([7]), reset=True, iid="b"))
+    idx.apply(_batch(1, reset=True, iid="c"))  # a third instance: a, updated first, goes
+    assert sorted(idx.instances()) == ["b", "c"] and idx.evicted == 1
+    idx.apply(_batch(2, m.Stored([8, 9, 10]), iid="c"))  # within the budget (1 + 3 of 5)
+    idx.apply(_batch(2, m.Stored([11, 12]), iid="b"))  # over it: c goes, b keeps 3
+    assert idx.instances() == ["b"] and idx.view("b").held == {7, 11, 12}
+    idx.forget("b")
+    idx.apply(_batch(1, m.Stored([1, 2, 3]), reset=True, iid="d"))
+    assert idx.view("d").held == {1, 2, 3}  # forgetting gave the budget back
 
 
 def test_the_cost_weighs_missing_blocks_against_load_and_ties_go_round_robin():
@@ -95,11 +101,11 @@ class _FlakyBus(MemoryBus):
 
     fail = 0
 
-    async def persist(self, subject, msg, stream):
+    async def persist(self, subject, msg, stream, *, rollup=False):
         if self.fail:
             self.fail -= 1
             raise ControlPlaneError("no JetStream")
-        return await super().persist(subject, msg, stream)
+        return await super().persist(subject, msg, stream, rollup=rollup)
 
 
 def _cfg(name: str) -> AgentConfig:
@@ -140,25 +146,31 @@ async def test_the_log_numbers_batches_resets_first_and_relists_after_a_lost_bat
             bus.fail = 1  # the next batch is lost: its number is spent, a listing follows
             log.stored([4])
             with anyio.fail_after(5):
-                while len(_kept(hub)) < 3:
+                while _kept(hub)[-1].seq < 4:
                     await anyio.sleep(0.01)
             assert log.failed == 1
-            assert _kept(hub)[2] == _batch(4, m.Stored([1, 3, 5, 4]), epoch=log.epoch,
-                                           reset=True)
+            # The listing rolled the subject up: the stream keeps it alone.
+            assert _kept(hub) == [_batch(4, m.Stored([1, 3, 5, 4]), epoch=log.epoch,
+                                         reset=True)]
             idx = PrefixIndex()
-            assert [idx.apply(b) for b in _kept(hub)] == ["applied"] * 3
+            assert [idx.apply(b) for b in _kept(hub)] == ["applied"]
             assert idx.view("a").held == {1, 3, 4, 5}
             # A router's KVResync: listed afresh once; a second within the pause is not.
             other = await hub.connect("router")
             other.seal.identity = Identity("router")  # agents obey only signed messages
-            n = len(_kept(hub))
+            seq = _kept(hub)[-1].seq
             for _ in range(2):
                 await other.publish(agent.subjects.control("a"), m.KVResync(instance_id="a"))
             with anyio.fail_after(5):
-                while len(_kept(hub)) == n:
+                while _kept(hub)[-1].seq == seq:
                     await anyio.sleep(0.01)
             await anyio.sleep(0.3)
-            assert len(_kept(hub)) == n + 1 and _kept(hub)[-1].reset
+            # One listing for both (it rolled the subject up: the stream keeps it alone).
+            assert [(b.seq, b.reset) for b in _kept(hub)] == [(seq + 1, True)]
+            # A request within the pause is not lost: it waits the pause out.
+            await other.publish(agent.subjects.control("a"), m.KVResync(instance_id="a"))
+            await anyio.sleep(0.3)
+            assert _kept(hub)[-1].seq == seq + 1 and log._resync_due is not None
             agent.report_load(requests=3, kv_used=7)
             with pytest.raises(ConfigError):
                 agent.report_load(requests=-1)

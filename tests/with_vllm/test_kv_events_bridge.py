@@ -71,14 +71,26 @@ def test_the_bridge_follows_vllms_publisher_and_a_gap_clears_the_view():
                 stored([b"v0", b"v1"], None, TOKENS[:8])]))
             time.sleep(0.1)
         assert got and got[0] == ("stored", block_hashes(TOKENS[:8], BS))
-        # A gap (batches missed): the view is cleared, then the next batch applies.
-        bridge._handle([b"kv", (bridge._seq + 5).to_bytes(8, "big"),
-                        msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[
-                            stored([b"w0"], None, TOKENS[:4])]))])
-        assert got[-2:] == [("cleared", []), ("stored", block_hashes(TOKENS[:4], BS))]
-        assert bridge.gaps == 1
-        bridge._handle([b"kv", b"short", b""])
-        assert bridge.malformed == 1
     finally:
         bridge.close()
         pub.shutdown()
+    # A gap (batches missed): the view is cleared, then the next batch applies. On a
+    # bridge of its own (no publisher: nothing races the frames handed to it here).
+    got.clear()
+    quiet = EventBridge(f"tcp://127.0.0.1:{free_port()}", "kv", BS,
+                        lambda kind, hashes: got.append((kind, hashes)))
+    try:
+        def frame(seq: int, *events) -> list[bytes]:
+            return [b"kv", seq.to_bytes(8, "big"),
+                    msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=list(events)))]
+
+        quiet._handle(frame(1, stored([b"v0"], None, TOKENS[:4])))
+        quiet._handle(frame(6, stored([b"w0"], None, TOKENS[4:8])))
+        assert got == [("stored", block_hashes(TOKENS[:4], BS)), ("cleared", []),
+                       ("stored", block_hashes(TOKENS[4:8], BS))]
+        assert quiet.gaps == 1
+        quiet._handle([b"kv", b"short", b""])
+        quiet._handle([b"kv", (7).to_bytes(8, "big"), b"\xc1"])
+        assert quiet.malformed == 2
+    finally:
+        quiet.close()

@@ -16,6 +16,7 @@ router sees fewer blocks, never blocks the engine does not hold).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -45,9 +46,10 @@ class HashBridge:
         theirs = list(event.block_hashes)
         size = int(event.block_size)
         tokens = list(event.token_ids)
-        extra = list(event.extra_keys or [])
+        extra = list(getattr(event, "extra_keys", None) or [])
+        lora = getattr(event, "lora_id", None) is not None or getattr(event, "lora_name", None)
         if size != self.block_size or getattr(event, "group_idx", None) not in (None, 0) or \
-                len(tokens) != size * len(theirs):
+                len(tokens) != size * len(theirs) or lora:
             self.skipped += len(theirs)
             return []
         parent = 0
@@ -141,7 +143,11 @@ class EventBridge:
             try:
                 self._handle(frames)
             except Exception:  # the bridge's bug must not end the engine
-                log.exception("kvstream: bridging a KV events batch failed")
+                log.exception("kvstream: bridging a KV events batch failed: clearing this "
+                              "instance's view")
+                self.hashes.cleared()  # what the batch said is unknown: as after a gap
+                with contextlib.suppress(Exception):
+                    self.sink("cleared", [])
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:

@@ -151,7 +151,12 @@ class WorkerSide(Side):
                     log_.cleared()
             rt.call(on_loop)
 
-        self._kv_bridge = EventBridge(endpoint, cfg.topic, self._block_size, sink)
+        try:
+            self._kv_bridge = EventBridge(endpoint, cfg.topic, self._block_size, sink)
+        except Exception as exc:  # routing is an optimisation: the engine serves without it
+            log.warning("kvstream agent %s cannot bridge vLLM's KV events from %s (%r): "
+                        "routers will not see its prefix cache", self._instance, endpoint, exc)
+            return
         log.info("kvstream agent %s bridges vLLM's KV events from %s", self._instance, endpoint)
 
     def _rt(self) -> AgentRuntime:
