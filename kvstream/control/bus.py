@@ -161,9 +161,7 @@ class ControlBus:
             try:
                 decoded = m.decode(msg.data)
             except MessageDecodeError as exc:
-                self.malformed += 1
-                self._quiet.warning("malformed", "dropped malformed message on %s: %s",
-                                    msg.subject, exc)
+                self._malformed(msg, exc)
                 if msg.reply:
                     await self._safe_reply(msg, m.Reject(transfer_id="", code="malformed",
                                                          reason=str(exc)[:1000]))
@@ -327,14 +325,16 @@ class ControlBus:
                 await sub.unsubscribe()
         return out
 
+    def _malformed(self, msg: Msg, exc: Exception) -> None:
+        self.malformed += 1
+        self._quiet.warning("malformed", "dropped malformed message on %s: %s", msg.subject, exc)
+
     def _check_kept(self, msg: Msg, trust: Trust | None
                     ) -> tuple[m.ControlUnion, dict[str, str]] | None:
         try:
             decoded = m.decode(msg.data)
         except MessageDecodeError as exc:
-            self.malformed += 1
-            self._quiet.warning("malformed", "dropped malformed message on %s: %s",
-                                msg.subject, exc)
+            self._malformed(msg, exc)
             return None
         if trust is None:
             headers = self.seal.incoming(msg.subject, msg.data, msg.headers)

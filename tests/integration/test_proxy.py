@@ -116,6 +116,8 @@ async def serving(*engines: FakeEngine):
             app.router.add_post("/v1/completions", engine.completion)
             app.router.add_post("/v1/chat/completions", engine.completion)
             app.router.add_get("/v1/models", engine.models)
+            if hasattr(engine, "tokenize"):  # test_proxy_kv_routing's engines
+                app.router.add_post("/tokenize", engine.tokenize)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)

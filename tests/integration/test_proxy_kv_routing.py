@@ -19,7 +19,7 @@ from kvstream.proxy import Proxy, ProxyConfig
 from kvstream.routing.service import Router, RouterConfig
 from tests.fakes import cache, small_layout
 from tests.integration.agents import cfg
-from tests.integration.test_proxy import FakeEngine
+from tests.integration.test_proxy import FakeEngine, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -43,26 +43,6 @@ class TokenizingEngine(FakeEngine):
         self.tokenized += 1
         text = body.get("prompt") or "".join(m["content"] for m in body.get("messages", []))
         return web.json_response({"tokens": tokens_of(text), "count": len(text)})
-
-
-@contextlib.asynccontextmanager
-async def serving(*engines: TokenizingEngine):
-    runners = []
-    try:
-        for engine in engines:
-            app = web.Application()
-            app.router.add_post("/v1/completions", engine.completion)
-            app.router.add_post("/v1/chat/completions", engine.completion)
-            app.router.add_post("/tokenize", engine.tokenize)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            runners.append(runner)
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            engine.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        yield engines
-    finally:
-        for runner in runners:
-            await runner.cleanup()
 
 
 def _agent(name: str, ns: str, nats_server, role: str, url: str) -> Agent:
