@@ -1,7 +1,7 @@
 """KV-aware routing against round robin with real vLLM engines (issue 20's first bar).
 
     .venv-vllm/bin/python benchmarks/bench_routing.py [--conversations 6] [--turns 4]
-                                                      [--json OUT]
+                                                      [--parallel 1] [--json OUT]
 
 Two prefill and two decode ``vllm serve`` engines (CPU build, the tiny test model, block
 32) with KVStreamConnector and their own KV cache events bridged to kvstream, one
@@ -9,9 +9,10 @@ Two prefill and two decode ``vllm serve`` engines (CPU build, the tiny test mode
 ``--routing kv``, one ``--routing load`` (least-loaded: with one request at a time that
 is round robin). The same multi-turn workload runs through each, one after the other,
 each with its own tokens (no prefix shared between the runs): ``--conversations``
-conversations of ``--turns`` turns; every prompt starts with a system prompt shared by
-all conversations of its run, then the conversation so far (each earlier prompt and the
-decode engine's answer, as token ids), then new user tokens.
+conversations of ``--turns`` turns, ``--parallel`` of them in flight at once; every
+prompt starts with a system prompt shared by all conversations of its run, then the
+conversation so far (each earlier prompt and the decode engine's answer, as token ids),
+then new user tokens.
 
 Reported per run: the prefill engines' prefix-cache hit rate (vLLM's own
 ``vllm:prefix_cache_hits``/``queries`` counters, prompt tokens), the best hit rate
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +138,7 @@ def _body(model: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def run_mode(name: str, proxy: str, engines: dict[str, str], model: str, events: Path,
-             seed: int, conversations: int, turns: int) -> dict[str, Any]:
+             seed: int, conversations: int, turns: int, parallel: int) -> dict[str, Any]:
     rng = random.Random(seed)
     system = [rng.randrange(3, VOCAB) for _ in range(SYSTEM)]
     history = [list(system) for _ in range(conversations)]
@@ -146,15 +148,20 @@ def run_mode(name: str, proxy: str, engines: dict[str, str], model: str, events:
     bytes_before = _pulled_bytes(events)
     prompts, answers = [], []
     started = time.monotonic()
-    for _ in range(turns):
-        for c in range(conversations):
-            prompt = history[c] + [rng.randrange(3, VOCAB) for _ in range(USER)]
-            got = _post(f"{proxy}/v1/completions", _body(model, prompt))
-            choice = got["choices"][0]
-            answer = choice.get("token_ids") or [rng.randrange(3, VOCAB) for _ in range(NEW)]
-            prompts.append(prompt)
-            answers.append(choice["text"])
-            history[c] = prompt + list(answer)
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        for _ in range(turns):
+            turn = [history[c] + [rng.randrange(3, VOCAB) for _ in range(USER)]
+                    for c in range(conversations)]
+            # ``parallel`` conversations at a time (their requests overlap in the engines).
+            got = list(pool.map(lambda p: _post(f"{proxy}/v1/completions", _body(model, p)),
+                                turn))
+            for c, (prompt, reply) in enumerate(zip(turn, got, strict=True)):
+                choice = reply["choices"][0]
+                answer = choice.get("token_ids") or [rng.randrange(3, VOCAB)
+                                                     for _ in range(NEW)]
+                prompts.append(prompt)
+                answers.append(choice["text"])
+                history[c] = prompt + list(answer)
     seconds = time.monotonic() - started
     time.sleep(1.0)  # the last pulls' events and metrics
     hits = sum(_counter(u, "vllm:prefix_cache_hits") - before[u][0] for u in prefills)
@@ -175,6 +182,9 @@ def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_argument("--conversations", type=int, default=6)
     cli.add_argument("--turns", type=int, default=4)
+    cli.add_argument("--parallel", type=int, default=1,
+                     help="conversations whose turns are in flight at once (1: one request "
+                          "at a time, so load never outweighs a prefix)")
     cli.add_argument("--json", help="also write the results here")
     a = cli.parse_args()
     model = str(cached_model())
@@ -232,13 +242,14 @@ def main() -> None:
                 time.sleep(0.5)
             time.sleep(2.0)  # the router's registry view too
             results = [run_mode(mode, proxies[mode], engines, model, events, seed,
-                                a.conversations, a.turns)
+                                a.conversations, a.turns, a.parallel)
                        for seed, mode in enumerate(("round_robin", "kv"), start=1)]
             kv_health = json.loads(_get(f"{proxies['kv']}/health"))["counts"]
         finally:
             for proc in reversed(procs):
                 _stop(proc)
-    out = {"conversations": a.conversations, "turns": a.turns, "block": BLOCK,
+    out = {"conversations": a.conversations, "turns": a.turns, "parallel": a.parallel,
+           "block": BLOCK,
            "results": results, "kv_proxy_counts": kv_health, "logs": str(root)}
     print(f"{'mode':<12} {'hit rate':>9} {'best':>6} {'of best':>8} {'wire MiB':>9} "
           f"{'tokens = colocated':>19} {'s':>6}")

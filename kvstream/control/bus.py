@@ -306,15 +306,22 @@ class ControlBus:
             raise ControlPlaneError(f"cannot read {subject}: {exc!r}") from exc
         try:
             with anyio.fail_after(timeout):
-                pending = int((await sub.consumer_info()).num_pending or 0)
-                if pending > limit:
-                    raise ControlPlaneError(f"{subject} keeps {pending} messages, over {limit}")
-                while pending:
+                # What the consumer has to deliver, and what it delivered already (pushed
+                # into this client's buffer before the question was answered).
+                info = await sub.consumer_info()
+                left = int(info.num_pending or 0) + int(
+                    info.delivered.consumer_seq if info.delivered is not None else 0)
+                read = 0
+                while left > 0:
+                    if read >= limit:
+                        raise ControlPlaneError(f"{subject} keeps over {limit} messages")
                     msg = await sub.next_msg(timeout=timeout)
+                    read += 1
                     checked = self._check_kept(msg, trust)
                     if checked is not None:
                         out.append(checked)
-                    pending = int(msg.metadata.num_pending)
+                    # Those stored since count too (the server says how many remain).
+                    left = max(left - 1, int(msg.metadata.num_pending))
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise ControlPlaneError(f"reading {subject} took over {timeout} s") from exc
         except (nats.errors.Error, nats.js.errors.Error) as exc:

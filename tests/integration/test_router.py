@@ -11,10 +11,11 @@ import anyio
 import nats
 import pytest
 
-from kvstream import Agent
+from kvstream import Agent, ControlPlaneError
 from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
 from kvstream.control.identity import Identity
+from kvstream.control.stream import kv_events_stream
 from kvstream.control.subjects import Subjects
 from kvstream.prefix import block_hashes
 from kvstream.routing.service import Router, RouterConfig
@@ -237,3 +238,24 @@ async def test_a_lost_last_batch_is_seen_in_the_heartbeat_and_relisted(nats_serv
                     await anyio.sleep(0.05)
             assert router.statistics().resyncs >= 1
             assert router.index.overlap("pa", block_hashes(PROMPT_A, 8)) == 4
+
+
+async def test_kept_reads_all_a_subject_keeps_or_fails(nats_server):
+    """A reread is complete: every message kept on the subject, in order, each time (the
+    consumer may push some before it says how many are pending); over the limit, an
+    error rather than a shorter list."""
+    ns = _ns()
+    subjects = Subjects(ns)
+    async with Agent(cfg("kp", nats_server, namespace=ns)) as agent:
+        bus = agent._core.control
+        stream = kv_events_stream(subjects)
+        for seq in range(1, 31):
+            await bus.persist(subjects.kv_events("kp"), m.KVEvents(
+                instance_id="kp", epoch="epoch-kept", seq=seq, block_size=8,
+                events=[m.Stored([seq])]), stream)
+        for _ in range(3):
+            got = await bus.kept(subjects.kv_events("kp"), stream)
+            assert [msg.seq for msg, _ in got] == list(range(1, 31))
+        with pytest.raises(ControlPlaneError):
+            await bus.kept(subjects.kv_events("kp"), stream, limit=10)
+        assert await bus.kept(subjects.kv_events("nobody"), stream) == []
