@@ -189,10 +189,12 @@ class Router:
         info = self.directory.registry.get(iid)
         key = info.key if info is not None and info.announced else b""
         if key and self._keys.get(iid) != key:
-            self._keys[iid] = key
-            if len(self._keys) > self.index.max_instances:
-                self._keys.pop(next(iter(self._keys)))
-            self._want_repair(iid, "its key is new here")
+            # Marked read under this key once its reread is under way (else: the next
+            # heartbeat tries again, e.g. when MAX_REPAIRS others are being read).
+            if self._want_repair(iid, "its key is new here") or iid in self._repairing:
+                self._keys[iid] = key
+                if len(self._keys) > self.index.max_instances:
+                    self._keys.pop(next(iter(self._keys)))
             return
         view = self.index.view(iid)
         before = self._heard.get(iid)
@@ -241,15 +243,17 @@ class Router:
             self._counts["gaps"] += 1
             self._want_repair(batch.instance_id, f"batch {batch.seq} showed a gap")
 
-    def _want_repair(self, iid: str, why: str) -> None:
+    def _want_repair(self, iid: str, why: str) -> bool:
         """Reread ``iid``'s events from the stream, at most once per ``REPAIR_PAUSE_S``
-        per instance (a peer that makes gaps on purpose costs a reread per pause)."""
+        per instance (a peer that makes gaps on purpose costs a reread per pause); False
+        if not scheduled (one is under way, or ``MAX_REPAIRS`` are)."""
         if iid in self._repairing or len(self._repairing) >= MAX_REPAIRS:
-            return
+            return False
         wait = self._last_repair.get(iid, -REPAIR_PAUSE_S) + REPAIR_PAUSE_S - time.monotonic()
         self._repairing[iid] = None
         log.debug("router %s: repairing %s's view (%s)", self.router_id, iid, why)
         self._tg.start_soon(self._repair, iid, max(0.0, wait))
+        return True
 
     async def _repair(self, iid: str, wait: float) -> None:
         """Reread ``iid``'s batches from the stream; still a gap: ask it for a listing.
