@@ -218,7 +218,7 @@ def main() -> None:
                 procs.append(_spawn(
                     [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                      model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                     "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
+                     "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "1024",
                      "--max-num-seqs", "8", "--seed", "0",
                      "--kv-transfer-config", json.dumps(cfg),
                      "--kv-events-config", json.dumps(kv_events)], env, root / f"{name}.log"))
