@@ -90,6 +90,13 @@ class Admission:
             Subjects.check_instance_id(src)
         current = core.book.receiving.get(request_id)
         if current is not None and current.kind is Kind.STAGED:
+            if (src is None or current.peer == src) and have:
+                # A staged push holds every block, and claiming writes them all: it would
+                # overwrite the blocks the engine has already (shared, prefix-cached).
+                core.end(current, TransferState.ABORTED, "staged whole, but the engine has "
+                         "some of its blocks already", EndCause.ENGINE_ABORT)
+                raise InvalidBlockError(f"the push staged for {request_id!r} cannot skip the "
+                                        "blocks the engine has: dropped")
             if src is None or current.peer == src:
                 return self._claim(current, mem, dst_blocks)
             core.count("forbidden", 1)  # staged by another source: it never lands here

@@ -33,6 +33,10 @@ NoPrefill = Literal["decode", "reject"]
 # How legs are placed: "load" (least loaded, by the proxy itself), "kv" (the routers' queue
 # group weighs each candidate's cached prefix against its load; least loaded if none answers).
 Routing = Literal["load", "kv"]
+# How the KV moves: "pull" (the P leg first; the decode engine pulls what it returned),
+# "push" (both legs at once; the prefill pushes each layer into the decode as it computes:
+# kvstream.proxy.push; pull between engines that cannot take a push).
+Transfer = Literal["pull", "push"]
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +62,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     no_prefill: NoPrefill = "decode"
     routing: Routing = "load"
     route_timeout_s: float = 0.5  # a router's answer (then: least loaded)
+    transfer: Transfer = "pull"
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)
@@ -65,6 +70,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"no_prefill must be 'decode' or 'reject', not {self.no_prefill!r}")
         if self.routing not in ("load", "kv"):
             raise ConfigError(f"routing must be 'load' or 'kv', not {self.routing!r}")
+        if self.transfer not in ("pull", "push"):
+            raise ConfigError(f"transfer must be 'pull' or 'push', not {self.transfer!r}")
+        if self.transfer == "push" and self.nats_url is None:
+            raise ConfigError("transfer 'push' reads the engines' layouts from the registry: "
+                              "it needs a NATS URL")
         if self.routing == "kv" and self.nats_url is None:
             raise ConfigError("routing 'kv' asks the routers on NATS: it needs a NATS URL")
         if not 0 <= self.port <= 65535:
@@ -92,6 +102,10 @@ class ProxyStatistics(msgspec.Struct, frozen=True, kw_only=True):
     kv_fallbacks: int = 0
     prompt_blocks: dict[str, int] = {}
     hit_blocks: dict[str, int] = {}
+    # transfer "push": requests sent to both legs at once, and those pulled instead (the
+    # two engines are not equal, or one does not announce every rank)
+    pushed: int = 0
+    push_declined: int = 0
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

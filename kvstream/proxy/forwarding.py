@@ -20,6 +20,7 @@ from kvstream._exceptions import ConfigError, ProxyError
 from kvstream.control.aborts import release_offer
 from kvstream.control.bus import ControlBus
 from kvstream.proxy.config import ROUTE_HEADER, ProxyConfig, prefill_body
+from kvstream.proxy.push import PushPlan, prefill_push
 from kvstream.routing.directory import Directory, Instance, LegRole, pick
 
 try:
@@ -79,14 +80,17 @@ class Legs:
 
     # -- the legs -----------------------------------------------------------------------
     async def _prefill(self, p: Instance, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> dict[str, Any] | None:
+                       headers: dict[str, str], push: PushPlan | None = None
+                       ) -> dict[str, Any] | None:
+        """The P leg of the client's ``body``; ``push``: its engine pushes to the decode."""
         cfg = self.config
+        p_body = prefill_body(body) if push is None else prefill_push(prefill_body(body), push)
         timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout_s,
                                         sock_connect=cfg.connect_timeout_s)
         assert self._session is not None  # started; not input validation
         self._inflight[p.url] += 1
         try:
-            async with self._session.post(p.url + path, json=prefill_body(body), headers=headers,
+            async with self._session.post(p.url + path, json=p_body, headers=headers,
                                           timeout=timeout) as resp:
                 status, data = resp.status, await resp.read()
         except HTTP_ERRORS as exc:

@@ -6,6 +6,7 @@ The legs themselves are ``kvstream.proxy.forwarding.Legs``; the settings and bod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -24,9 +25,15 @@ from kvstream.control.identity import SENDER, SUBJECT, Identity
 from kvstream.control.messages import Announce, Leave
 from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
-from kvstream.proxy.config import ProxyConfig, ProxyStatistics, decode_body, decode_only_body
+from kvstream.proxy.config import (
+    ProxyConfig,
+    ProxyStatistics,
+    decode_body,
+    decode_only_body,
+)
 from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
 from kvstream.proxy.kv_route import block_sizes, prompt_tokens, route_request
+from kvstream.proxy.push import PushPlan, decode_params, push_plan
 from kvstream.routing.directory import Directory, Instance, LegRole
 from kvstream.telemetry import open_span, route_decided
 
@@ -171,6 +178,12 @@ class Proxy(Legs):
             return await self._decode_only(request, body, headers, started,
                                            "no live prefill instance",
                                            self._placed("decode", placed))
+        if self.config.transfer == "push":
+            d = self._placed("decode", placed) or self._pick("decode")
+            plan = push_plan(p, d, self.directory.registry) if d is not None else None
+            if plan is not None and d is not None:
+                return await self._push_legs(request, body, headers, p, d, plan, started)
+            self._counts["push_declined"] += 1
         try:
             params = await self._prefill(p, request.path, body, headers)
         except PrefillUnreachable as exc:
@@ -185,6 +198,38 @@ class Proxy(Legs):
         log.info("%s %s: prefill %s (%.0f ms) -> decode %s: %d (%.0f ms in all)", request_id,
                  request.path, p.url, prefill_ms, d.url, response.status,
                  (time.monotonic() - started) * 1e3)
+        return response
+
+    async def _push_legs(self, request: web.Request, body: dict[str, Any],
+                         headers: dict[str, str], p: Instance, d: Instance, plan: PushPlan,
+                         started: float) -> web.StreamResponse:
+        """Both legs at once: the decode engine allocates and expects while the prefill
+        computes and pushes each layer into it (its connector pulls, or vLLM recomputes,
+        if the push fails; push.py in the vLLM adapter)."""
+        self._counts["pushed"] += 1
+        d_params = decode_params(plan)
+        rid = headers["X-Request-Id"]
+
+        def failed(task: asyncio.Future[Any]) -> None:
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                log.warning("%s: the prefill leg of a push failed (%s); the decode engine "
+                            "pulls or recomputes", rid, exc)
+
+        prefill = asyncio.ensure_future(self._prefill(p, request.path, body, headers, plan))
+        prefill.add_done_callback(failed)  # the P leg's answer is only its errors
+        # ``d_params`` name the prefill's offer of the push: released if D fails.
+        try:
+            response, d = await self._decode(request, decode_body(body, d_params), d_params,
+                                             headers, "prefill-decode-push", d)
+        except BaseException:  # D failed or the client left: stop computing for nobody
+            prefill.cancel()
+            raise
+        with contextlib.suppress(Exception):
+            await prefill  # its errors were logged
+        log.info("%s %s: prefill %s || decode %s (push %s): %d (%.0f ms in all)",
+                 headers["X-Request-Id"], request.path, p.url, d.url, plan.push_id,
+                 response.status, (time.monotonic() - started) * 1e3)
         return response
 
     async def _decode_only(self, request: web.Request, body: dict[str, Any],
@@ -297,7 +342,8 @@ class Proxy(Legs):
                                decode_only=c["decode_only"], kv_routed=c["kv_routed"],
                                kv_fallbacks=c["kv_fallbacks"],
                                prompt_blocks={r: c[f"blocks_{r}"] for r in ("prefill", "decode")},
-                               hit_blocks={r: c[f"hits_{r}"] for r in ("prefill", "decode")})
+                               hit_blocks={r: c[f"hits_{r}"] for r in ("prefill", "decode")},
+                               pushed=c["pushed"], push_declined=c["push_declined"])
 
 
 @web.middleware

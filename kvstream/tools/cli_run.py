@@ -130,12 +130,19 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
               help="place the legs least-loaded here (load), or ask the routers of the "
                    "namespace (`kvstream router`), which weigh each engine's cached prefix "
                    "against its load (kv; least-loaded when none answers)")
+@click.option("--transfer", type=click.Choice(["pull", "push"]), default="pull",
+              show_default=True,
+              help="pull: the prefill leg first, then the decode engine pulls its KV; push: "
+                   "both legs at once, the prefill engine pushes each layer into the decode "
+                   "engine as it computes it (equal engines in connector mode 'push'; others "
+                   "pull)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info",
               show_default=True)
 def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_nats: bool,
           namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
-          timeout: float, no_prefill: str, routing: str, log_level: str) -> None:
+          timeout: float, no_prefill: str, routing: str, transfer: str,
+          log_level: str) -> None:
     """OpenAI-compatible prefill/decode proxy over the registry.
 
     Engines are found in the kvstream registry on NATS (or given with --prefill and
@@ -157,7 +164,8 @@ def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_na
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
                          prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
                          no_prefill=no_prefill,  # type: ignore[arg-type]
-                         routing=routing)  # type: ignore[arg-type]
+                         routing=routing,  # type: ignore[arg-type]
+                         transfer=transfer)  # type: ignore[arg-type]
 
     async def run() -> None:
         async with Proxy(config) as server:

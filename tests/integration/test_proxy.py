@@ -448,3 +448,58 @@ async def test_unreachable_prefill_engine(no_prefill, caplog):
         with anyio.fail_after(3):
             while not proxy.directory.instances("prefill"):
                 await anyio.sleep(0.05)
+
+
+async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats_server):
+    """``transfer="push"``: between engines announcing equal layouts the decode leg leaves
+    before the prefill leg has answered, each leg's params name the other engine and one
+    push id; an engine of another layout is served prefill-then-pull, counted."""
+    lay = small_layout()
+    p_eng = FakeEngine("p", hold=lambda body: True)  # answers once D has its leg
+    d_eng = FakeEngine("d")
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace="px-push",
+                             transfer="push") as (proxy, client), \
+            Agent(cfg("px-pp", nats_server, namespace="px-push", role="prefill",
+                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
+            Agent(cfg("px-pd", nats_server, namespace="px-push", role="decode",
+                      endpoint=d_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)):
+        await until_routable(proxy, 1, 1)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
+
+        async def unblock() -> None:
+            with anyio.fail_after(5):
+                while not d_eng.received:
+                    await anyio.sleep(0.01)
+            p_eng.release.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(unblock)
+            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers[ROUTE_HEADER] == "prefill-decode-push"
+                assert await resp.json() == {"choices": [{"text": "decoded by d"}]}
+        (_, p_body, _), = p_eng.received
+        (_, d_body, _), = d_eng.received
+        ours = p_body["kv_transfer_params"]["kvstream"]
+        assert ours["push_to"] == "px-pd" and ours["push_id"].startswith("push-")
+        d_params = d_body["kv_transfer_params"]
+        assert d_params["transfer_mode"] == "push" and d_params["remote_engine_id"] == "px-pp"
+        assert d_params["remote_request_id"] == ours["push_id"]
+        assert d_params["kvstream"]["secret"] == ours["secret"] and len(ours["secret"]) >= 16
+        assert proxy.statistics().pushed == 1 and proxy.statistics().push_declined == 0
+    # Another layout on the decode side: the usual legs, one after the other.
+    other = small_layout(layers=lay.num_layers + 1)
+    p_eng, d_eng = FakeEngine("p"), FakeEngine("d")
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace="px-push2",
+                             transfer="push") as (proxy, client), \
+            Agent(cfg("px-pp", nats_server, namespace="px-push2", role="prefill",
+                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
+            Agent(cfg("px-pd", nats_server, namespace="px-push2", role="decode",
+                      endpoint=d_eng.url), layout=other, kv_caches=cache(other, 8, fill=False)):
+        await until_routable(proxy, 1, 1)
+        async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode"
+        assert "kvstream" not in p_eng.bodies()[0]["kv_transfer_params"]
+        assert proxy.statistics().pushed == 0 and proxy.statistics().push_declined == 1

@@ -339,3 +339,28 @@ async def test_staged_push_with_promised_contiguous_blocks(nats_server):
                 assert torch.equal(p.memory.read_block(layer, a), d.memory.read_block(layer, b))
         await settle(p, d)
         assert_at_rest(p, d)
+
+
+async def test_a_staged_push_is_not_claimed_over_blocks_the_engine_has(nats_server):
+    """A staged push holds and would write every block: claimed with ``have`` (blocks the
+    engine's prefix cache supplied, shared with other requests) it is refused and dropped,
+    and nothing is written."""
+    from kvstream import InvalidBlockError, block_hashes
+
+    lay = small_layout()
+    hashes = block_hashes(range(2 * lay.block_size), lay.block_size)
+    async with agent_pair(nats_server, "p-have", "d-have", lay, 8) as (p, d):
+        tx = await p.push("cached", "d-have", [1, 2], block_hashes=hashes)
+        tx.all_ready()
+        with anyio.fail_after(10):
+            assert (await tx.wait()).ok
+            while not d.statistics().staged_transfers:
+                await anyio.sleep(0.02)
+        with pytest.raises(InvalidBlockError, match="cannot skip"):
+            d.expect("cached", [3, 4], have=hashes[:1])
+        await settle(d)
+        s = d.statistics()
+        assert (s.staged_transfers, s.staging_bytes_in_use) == (0, 0)
+        assert d.memory.read_block(0, 3).count_nonzero() == 0
+        assert d.memory.read_block(0, 4).count_nonzero() == 0
+        assert_at_rest(p, d)

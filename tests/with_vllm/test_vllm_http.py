@@ -112,7 +112,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
             ports = {"prefill": _port(), "decode": _port()}
             for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
                 url = f"http://127.0.0.1:{ports[role]}"
-                cfg = E.kv_config(kv_role, nats.url, instance_id=f"http-{role}", endpoint=url)
+                # The prefill pushes when a request asks (``kvstream proxy --transfer push``)
+                # and is pulled from otherwise.
+                mode = {"mode": "push"} if role == "prefill" else {}
+                cfg = E.kv_config(kv_role, nats.url, instance_id=f"http-{role}", endpoint=url,
+                                  **mode)
                 env = E.engine_env(events)
                 if role == "decode":  # its per-load INFO lines are checked
                     env["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -277,3 +281,91 @@ def test_unmodified_vllm_toy_proxy_works_with_kvstream(served):
         assert len(pulls) == 1 and pulls[0]["ok"], pulls
     finally:
         _stop(proxy)
+
+
+def _pushes(events: Path) -> list[dict[str, Any]]:
+    return [e for e in E.read_events(events) if e["event"] == "push_ended"]
+
+
+def test_push_pipelined_through_the_proxy(served):
+    """``kvstream proxy --transfer push``: both legs at once, the prefill engine pushes each
+    layer into the blocks the decode engine allocated (or its staging, if the push comes
+    first); every load came by push, and the tokens equal the colocated engine's."""
+    port = _port()
+    log = served["root"] / "pushproxy.log"
+    proxy = _spawn([str(Path(sys.executable).parent / "kvstream"), "proxy", "--port", str(port),
+                    "--nats-url", served["nats"].url, "--transfer", "push"], {}, log)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proxy, log, timeout=30)
+        end = time.monotonic() + 20
+        while not ((h := _health(port))["prefill"] and h["decode"]) and time.monotonic() < end:
+            time.sleep(0.5)
+        events = served["events"]
+        loads_before, pushes_before = len(_pulls(events)), len(_pushes(events))
+        tokens_before = _transferred_tokens(served["decode"])
+        prompts = [E.prompt(90, 91), E.prompt(33, 92)]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        got = [_post(url, _body(served["model"], p)) for p in prompts]
+        streamed = _stream(url, _body(served["model"], prompts[1]))
+        want = [_post(f"{served['prefill']}/v1/completions", _body(served["model"], p))
+                for p in prompts]
+        assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
+        assert streamed == want[1]["choices"][0]["text"]
+        counts = _health(port)["counts"]
+        assert counts["pushed"] == 3 and counts["push_declined"] == 0, counts
+        loads = _pulls(events)[loads_before:]
+        assert len(loads) == 3 and all(x["ok"] and x["via"] == "push" for x in loads), loads
+        end = time.monotonic() + 10  # the prefill's push ends once the decode has it all
+        while len(pushes := _pushes(events)[pushes_before:]) < 3 and time.monotonic() < end:
+            time.sleep(0.2)
+        assert len(pushes) == 3 and all(x["ok"] for x in pushes), pushes
+        assert {x["push_id"] for x in pushes} == {x["remote_request_id"] for x in loads}
+        # The decode engine's /metrics count the pushed prompt tokens as transferred (the
+        # streamed repeat found its full block in the decode's own prefix cache).
+        end = time.monotonic() + 10
+        while (moved := _transferred_tokens(served["decode"]) - tokens_before) < \
+                sum(len(p) for p in prompts) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert moved >= sum(len(p) for p in prompts), moved
+    finally:
+        _stop(proxy)
+
+
+def test_a_push_that_cannot_land_falls_back_and_never_hangs(served):
+    """The decode leg expects a push of another prompt length than the prefill leg pushes:
+    the decode engine refuses the manifest, the prefill notes the failure, the decode
+    engine pulls the offer instead (which does not fit either) and vLLM recomputes: the
+    answer is still the colocated one, and both ends ended."""
+    import threading
+
+    from kvstream.proxy.config import prefill_body
+    from kvstream.proxy.push import PushPlan, decode_params, prefill_push
+
+    plan = PushPlan(prefill="http-prefill", decode="http-decode", tp_size=1,
+                    block_size=E.BLOCK, push_id="push-" + os.urandom(8).hex(),
+                    secret=os.urandom(12).hex())
+    events = served["events"]
+    p_prompt, d_prompt = E.prompt(4 * E.BLOCK, 95), E.prompt(6 * E.BLOCK + 3, 95)
+    result: dict[str, Any] = {}
+
+    def decode() -> None:
+        body = {**_body(served["model"], d_prompt), "kv_transfer_params": decode_params(plan)}
+        result["d"] = _post(f"{served['decode']}/v1/completions", body)
+
+    t = threading.Thread(target=decode)
+    t.start()
+    # The decode engine has allocated and expects the push before it is sent.
+    end = time.monotonic() + 60
+    while not any(e["event"] == "pull_scheduled" and e.get("remote_request_id") == plan.push_id
+                  for e in E.read_events(events)) and time.monotonic() < end:
+        time.sleep(0.1)
+    _post(f"{served['prefill']}/v1/completions",
+          prefill_push(prefill_body(_body(served["model"], p_prompt)), plan))
+    t.join(120)
+    assert not t.is_alive() and "d" in result
+    want = _post(f"{served['prefill']}/v1/completions", _body(served["model"], d_prompt))
+    assert result["d"]["choices"][0]["text"] == want["choices"][0]["text"]
+    loads = [x for x in _pulls(events) if x["remote_request_id"] == plan.push_id]
+    assert len(loads) == 1 and not loads[0]["ok"] and loads[0]["via"] == "push, then pull", loads
+    pushes = [x for x in _pushes(events) if x["push_id"] == plan.push_id]
+    assert len(pushes) == 1 and not pushes[0]["ok"], pushes

@@ -1,4 +1,4 @@
-"""``KVStreamConnector``: vLLM's KV connector (V1 API) on kvstream, pull mode.
+"""``KVStreamConnector``: vLLM's KV connector (V1 API) on kvstream: pull, or push.
 
 Load it with ``--kv-transfer-config '{"kv_connector": "KVStreamConnector",
 "kv_connector_module_path": "kvstream.adapters.vllm", "kv_role": "kv_producer" |
@@ -39,8 +39,11 @@ fields come from ``KVSTREAM_NATS_*`` variables), ``namespace``, ``instance_id`` 
 "int8" or "fp8_e4m3", asked for by the decode side; a request's ``kv_transfer_params["kvstream"]
 ["codec"]`` overrides it), ``lease_s``, ``peer_timeout_s``,
 ``transfer_timeout_s``, ``endpoint`` (the engine's HTTP URL, announced for ``kvstream
-proxy``), ``arrangement`` (override the KV layout detection), ``mode`` ("pull"; push to
-staging is not offered for vLLM yet).
+proxy``), ``arrangement`` (override the KV layout detection), ``mode`` ("pull", the
+default; "push": the prefill engine also pushes a request layer by layer when its params
+name the decode engine, as ``kvstream proxy --transfer push`` does: ``push.py``),
+``reservation_timeout_s`` (the longest a decode rank waits for a push), ``staging_bytes``
+and ``staging_wait_s`` (a push that arrives before its blocks are allocated).
 
 Logging: kvstream's loggers come out through vLLM's handler, in its format
 (``use_vllm_logging``). The decode side logs one INFO line per completed load and one
@@ -162,7 +165,9 @@ class KVStreamConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # pull mode: offered once the step's forward is done (wait_for_save)
+        # Pulls are offered once the step's forward is done (wait_for_save); pushes send
+        # each layer as it is saved (push.py).
+        self._w().save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         self._w().wait_for_save(self._meta())

@@ -11,7 +11,21 @@ from kvstream.layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["layout_of_vllm_caches"]
+__all__ = ["layer_indices", "layout_of_vllm_caches"]
+
+
+def _order(name: str) -> tuple[tuple[int, ...], str]:
+    return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,), name
+
+
+def layer_indices(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
+    """vLLM's layer names -> the index of their tensor among the registered layers (layers
+    sharing one tensor share its index), in ``layout_of_vllm_caches``' order."""
+    index: dict[int, int] = {}
+    out: dict[str, int] = {}
+    for name in sorted(kv_caches, key=_order):
+        out[name] = index.setdefault(kv_caches[name].data_ptr(), len(index))
+    return out
 
 
 def layout_of_vllm_caches(kv_caches: dict[str, torch.Tensor], *,
@@ -27,12 +41,9 @@ def layout_of_vllm_caches(kv_caches: dict[str, torch.Tensor], *,
     if not kv_caches:
         raise AdapterError("vLLM registered no KV cache tensors")
 
-    def order(name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,)
-
     layers: list[torch.Tensor] = []
     seen: set[int] = set()
-    for name in sorted(kv_caches, key=lambda n: (order(n), n)):
+    for name in sorted(kv_caches, key=_order):
         t = kv_caches[name]
         if t.data_ptr() in seen:
             continue

@@ -23,8 +23,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["CPU_CONVERTS", "CPU_REFUSAL", "EVENTS_ENV", "KVStreamMetadata",
-           "PullJob", "Remote", "Side", "flat", "total_kv_heads", "use_vllm_logging"]
+__all__ = ["CPU_CONVERTS", "CPU_REFUSAL", "EVENTS_ENV", "PUSH_TOPIC", "KVStreamMetadata", "Offer",
+           "PullJob", "Remote", "Side", "flat", "push_request", "total_kv_heads",
+           "use_vllm_logging"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
@@ -34,7 +35,27 @@ REQUIRED = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote
 EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_s",
                         "peer_timeout_s", "transfer_timeout_s", "endpoint", "arrangement",
                         "mode", "host", "trace_file", "heartbeat_s", "request_timeout_s",
-                        "staging_bytes", "nats_auth"})
+                        "staging_bytes", "nats_auth", "reservation_timeout_s",
+                        "staging_wait_s"})
+# The notes a push's two ends exchange (Agent.note): "declined" (decode -> prefill: do not
+# push, or stop), "failed" (prefill -> decode: the push will not come, pull instead).
+PUSH_TOPIC: Final = "kvstream.vllm.push"
+_PUSH_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+_INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def push_request(ours: Any) -> tuple[str, str, str] | None:
+    """``(push_to, push_id, secret)`` when a prefill request's ``kv_transfer_params
+    ["kvstream"]`` ask for a layer-pipelined push (the proxy wrote them), else None. A
+    client may write these params: only well-formed ids pass, and the push goes only to an
+    instance this engine's registry holds with an equal layout (the worker checks)."""
+    if not isinstance(ours, dict):
+        return None
+    dst, pid, secret = ours.get("push_to"), ours.get("push_id"), ours.get("secret", "")
+    if not (isinstance(dst, str) and _INSTANCE.fullmatch(dst) and isinstance(pid, str)
+            and _PUSH_ID.fullmatch(pid) and isinstance(secret, str) and len(secret) <= 128):
+        return None
+    return dst, pid, secret
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,7 @@ class Remote:
     tp_size: int = 1        # the prefill engine's tensor-parallel degree
     block_size: int = 0     # the prefill engine's block size
     device: str = ""        # where the prefill engine keeps its KV ("cpu", "cuda"; "": not said)
+    push: bool = False      # the prefill pushes under ``request_id`` (the proxy's push id)
 
 
 @dataclass(frozen=True)
@@ -61,12 +83,25 @@ class PullJob:
     tokens: int             # the prompt tokens the blocks are to hold
 
 
+@dataclass(frozen=True)
+class Offer:
+    """One prefill request's hold: its prompt blocks, offered for a pull under ``offer_id``
+    (the request's id, or the proxy's push id: then also pushed to ``push_to``)."""
+
+    blocks: list[int]
+    hashes: list[int]       # prefix hashes of its full blocks
+    secret: str
+    offer_id: str
+    push_to: str = ""       # the decode engine's instance id ("": pull only)
+
+
 @dataclass
 class KVStreamMetadata(KVConnectorMetadata):
     """One step's decisions, scheduler to workers (pickled: plain data only)."""
 
-    # prefill: request id -> (block ids, prefix hashes of its full blocks, offer secret)
-    offer: dict[str, tuple[list[int], list[int], str]] = field(default_factory=dict)
+    # prefill: request id -> its hold, made in the step that completes the prompt (before
+    # that step's forward when it is pushed too: layers leave as vLLM saves them)
+    offer: dict[str, Offer] = field(default_factory=dict)
     abort_offer: list[str] = field(default_factory=list)
     # decode: request id -> the prefill holds to keep alive while it waits for blocks
     keep: dict[str, Remote] = field(default_factory=dict)
@@ -183,9 +218,11 @@ class Side:
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                               f"known: {sorted(EXTRA_KEYS)}")
-        if self._extra.get("mode", "pull") != "pull":
-            raise ConfigError("KVStreamConnector supports mode 'pull' only (the prefill side "
-                              "holds, the decode side fetches)")
+        if self._extra.get("mode", "pull") not in ("pull", "push"):
+            raise ConfigError("KVStreamConnector's mode is 'pull' (the default: the decode side "
+                              "fetches) or 'push' (the prefill side also pushes when a "
+                              "request's params name the decode engine)")
+        self._push_ok = self._extra.get("mode", "pull") == "push"
         self._block_size = vllm_config.cache_config.block_size
         self._instance = self._extra.get("instance_id") or sanitize(f"vllm-{ktc.engine_id}")
         self._namespace = self._extra.get("namespace", "default")

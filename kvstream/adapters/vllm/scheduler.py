@@ -21,11 +21,13 @@ from kvstream.adapters.vllm import ranks
 from kvstream.adapters.vllm.common import (
     REQUIRED,
     KVStreamMetadata,
+    Offer,
     PullJob,
     Remote,
     Side,
     flat,
     log,
+    push_request,
 )
 from kvstream.prefix import block_hashes
 
@@ -46,8 +48,8 @@ class SchedulerSide(Side):
         self._kv_cache_manager: KVCacheManager | None = None
         self._meta = KVStreamMetadata()
         self._producing: dict[str, Request] = {}   # prefill: awaiting the prompt's last chunk
-        # prefill: offered, blocks owned until sent; the offer's secret, for the params
-        self._offered: dict[str, str] = {}
+        # prefill: offered, blocks owned until sent; the offer's id and secret, for the params
+        self._offered: dict[str, tuple[str, str]] = {}
         self._kept: dict[str, Remote] = {}     # decode: lease kept, not allocated
         self._loading: dict[str, Remote] = {}  # decode: pull asked, not finished
         self._declined: dict[str, str] = {}    # decode: not loaded, and why (logged once)
@@ -72,11 +74,14 @@ class SchedulerSide(Side):
                         "instead", block_size, tp_size)
             return None
         secret, device = ours.get("secret", ""), ours.get("device", "")
+        # Decode-first (the proxy sent both legs at once): the prefill pushes into the blocks
+        # allocated here, under the proxy's push id, and offers it too for a pull if not.
+        push = params.get("transfer_mode") == "push" and ours.get("push") is True
         return Remote(instance=str(params["remote_engine_id"]),
                       request_id=str(params["remote_request_id"]),
                       secret=secret if isinstance(secret, str) else "",
                       tp_size=tp_size, block_size=block_size,
-                      device=device if isinstance(device, str) else "")
+                      device=device if isinstance(device, str) else "", push=push)
 
     def _unequal(self, remote: Remote) -> str:
         """How the prefill's KV blocks differ from this engine's, as its params tell ("": not)."""
@@ -98,6 +103,10 @@ class SchedulerSide(Side):
             if why is not None:
                 return why, True
         unequal = self._unequal(remote)
+        if unequal and remote.push:
+            # The proxy pushes only between equal engines (it reads their announcements):
+            # params that say otherwise were written by someone else.
+            return f"a push between unequal engines ({unequal})", True
         if unequal and local_tokens > 0:
             # Between unequal layouts the engine converts whole prompts from token 0 (it
             # skips no `have` blocks when it converts), so loading would rewrite the
@@ -146,7 +155,8 @@ class SchedulerSide(Side):
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and (remote := self._remote(params)):
+        if params and params.get("do_remote_prefill") and (remote := self._remote(params)) \
+                and not remote.push:  # a push's offer is made when the prefill computes it
             # Keep the prefill's hold alive while this request waits for blocks.
             self._kept[request.request_id] = remote
             self._meta.keep[request.request_id] = remote
@@ -225,11 +235,17 @@ class SchedulerSide(Side):
             prompt = list(req.prompt_token_ids or ())
             nblocks = math.ceil(len(prompt) / self._block_size)
             # Every rank offers under one secret; it goes out in the params, and only a
-            # decode that was handed them can pull (the router passes them along).
-            secret = secrets.token_urlsafe(16)
-            self._meta.offer[rid] = (flat(ids)[:nblocks], block_hashes(prompt, self._block_size),
-                                     secret)
-            self._offered[rid] = secret
+            # decode that was handed them can pull (the router passes them along). A push
+            # (the proxy sent the decode leg at once, naming its engine): the offer is under
+            # the proxy's push id and secret, which the decode engine was given, so it can
+            # pull if the push fails.
+            push = push_request((req.kv_transfer_params or {}).get("kvstream"))
+            secret = push[2] if push else secrets.token_urlsafe(16)
+            self._meta.offer[rid] = Offer(
+                blocks=flat(ids)[:nblocks], hashes=block_hashes(prompt, self._block_size),
+                secret=secret, offer_id=push[1] if push else rid,
+                push_to=push[0] if push else "")
+            self._offered[rid] = (push[1] if push else rid, secret)
             del self._producing[rid]
         meta, self._meta = self._meta, KVStreamMetadata()
         return meta
@@ -268,11 +284,12 @@ class SchedulerSide(Side):
             return True, None
         blocks = flat(block_ids)[:math.ceil(request.num_prompt_tokens / self._block_size)]
         pc = self._vllm_config.parallel_config
+        offer_id, secret = self._offered[rid]
         out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._instance,
-            "remote_request_id": rid,
+            "remote_request_id": offer_id,
             "remote_block_ids": [blocks],
             "remote_host": self._host,
             "remote_port": self._kv_transfer_config.kv_port,
@@ -283,7 +300,7 @@ class SchedulerSide(Side):
             "kvstream": {"instance": self._instance, "namespace": self._namespace,
                          "block_size": self._block_size, "blocks": len(blocks),
                          "device": self._device,
-                         "secret": self._offered.get(rid, "")},
+                         "secret": secret},
         }
         self._events("offer_returned", request_id=rid, blocks=len(blocks))
         return True, out

@@ -10,25 +10,37 @@ of several."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import queue
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvstream._exceptions import AdapterError, ConfigError, KVStreamError, LayoutError
 from kvstream.adapters.vllm import ranks
-from kvstream.adapters.vllm.caches import layout_of_vllm_caches
+from kvstream.adapters.vllm.caches import layer_indices, layout_of_vllm_caches
 from kvstream.adapters.vllm.common import (
     CPU_CONVERTS,
     CPU_REFUSAL,
+    PUSH_TOPIC,
     KVStreamMetadata,
+    Offer,
     PullJob,
     Remote,
     Side,
     log,
+)
+from kvstream.adapters.vllm.push import (
+    MAX_DECLINED,
+    PrefillPushes,
+    cuda_event,
+    decode_note,
+    send_note,
 )
 from kvstream.config import AgentConfig
 from kvstream.control.auth import NatsAuth
@@ -48,6 +60,17 @@ if TYPE_CHECKING:
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 __all__ = ["WorkerSide"]
+
+
+PUSH_LIVENESS_S = 0.5  # how often a decode rank waiting for a push checks its source lives
+
+
+class _NoPush(Exception):
+    """The prefill said it will not push: pull at once (internal)."""
+
+
+class _Done(Exception):
+    """The push delivered the load (or it was cancelled): no pull (internal)."""
 
 
 class WorkerSide(Side):
@@ -71,6 +94,15 @@ class WorkerSide(Side):
         self._tp = TpInfo(rank=self._tp_rank, size=self._tp_size)
         self._layout: KVLayout | None = None
         self._kv_bridge: EventBridge | None = None  # vLLM's KV events, rank 0 (kv_events.py)
+        # Pushes (push.py): the prefill's, on the agent's loop; the push ids of the step
+        # being computed (engine thread); vLLM's layer names -> layer index
+        self._pushes: PrefillPushes | None = None
+        self._step: list[str] = []
+        self._layer_of: dict[str, int] = {}
+        # decode: push id -> (the prefill rank expected, the reservation), agent's loop only
+        self._expecting: dict[str, tuple[str, ReceiveHandle]] = {}
+        # decode: push id -> (who, why) of "failed" notes that came before the expect
+        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
 
     def _tp_share(self, layout: KVLayout) -> TpInfo:
         """This rank's TP share as the engine announces it (which model heads it holds)."""
@@ -90,7 +122,9 @@ class WorkerSide(Side):
         ex = self._extra
         kw: dict[str, Any] = {k: ex[k] for k in ("lease_s", "peer_timeout_s", "transfer_timeout_s",
                                                  "heartbeat_s", "request_timeout_s",
-                                                 "staging_bytes", "endpoint") if k in ex}
+                                                 "staging_bytes", "endpoint",
+                                                 "reservation_timeout_s", "staging_wait_s")
+                                    if k in ex}
         role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(
             self._kv_transfer_config.kv_role or "", "both")
         auth = ex.get("nats_auth") or {}
@@ -117,13 +151,39 @@ class WorkerSide(Side):
             # it) and/or OTLP per the OTEL_* variables; the peer's spans join by traceparent.
             self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
         self._layout, self._tp = layout, self._tp_share(layout)
-        self._runtime = AgentRuntime(self._agent_config(), layout, layers)
+        self._layer_of = layer_indices(kv_caches)
+        self._runtime = rt = AgentRuntime(self._agent_config(), layout, layers)
+        self._pushes = PrefillPushes(rt, self._tp_rank, self._tp_size, layout, self._events)
+        rt.call(self._listen)
         if self._tp_rank == 0:
             self._bridge_kv_events()
         self._events("registered", instance=self._instance, layout=layout.describe(),
                      fingerprint=layout.fingerprint, tp_rank=self._tp.rank,
                      tp_size=self._tp.size, total_kv_heads=self._tp.total_kv_heads)
         log.info("kvstream agent %s registered %s", self._instance, layout.describe())
+
+    def _listen(self) -> None:
+        agent = self._rt().agent
+        if agent is not None:
+            agent.on_note(PUSH_TOPIC, self._on_note)
+
+    def _on_note(self, sender: str, body: bytes) -> None:
+        """A push's notes (push.py): "failed" here, a decode rank, hurries the fallback
+        pull; "declined" goes to this rank's pushes (a prefill rank)."""
+        note = decode_note(body)
+        if note is None:
+            return
+        if note.state == "declined":
+            if self._pushes is not None:
+                self._pushes.on_note(sender, body)
+            return
+        waiting = self._expecting.get(note.push_id)
+        if waiting is None:  # before this rank expects it (the request still queues)
+            self._failed[note.push_id] = (sender, note.reason)
+            while len(self._failed) > MAX_DECLINED:
+                self._failed.popitem(last=False)
+        elif waiting[0] == sender and not waiting[1].done:
+            self._rt().spawn(waiting[1].abort, f"{sender} could not push: {note.reason}"[:300])
 
     def _bridge_kv_events(self) -> None:
         """vLLM's KV cache events (``--kv-events-config``, zmq publisher) onto this agent's
@@ -179,12 +239,26 @@ class WorkerSide(Side):
                 rt.spawn(self._keep, src, remote.request_id, remote.secret)
         for remote, reason in meta.release:
             for src in self._owned(remote):
-                rt.spawn(self._release, src, remote.request_id, reason, remote.secret)
+                rt.spawn(functools.partial(self._release, push=remote.push), src,
+                         remote.request_id, reason, remote.secret)
         for rid, job in meta.pull.items():
             self._pulls[rid] = None
             rt.spawn(self._pull, rid, job)
         for rid in meta.abort_pull:
             rt.spawn(self._abort_pull, rid)
+        self._step = []
+        for rid, off in meta.offer.items():
+            if not off.push_to:
+                continue
+            # Offered before the forward (not ready yet) and pushed as layers are saved; in
+            # mode "pull", offered after it. Either way the decode rank, which expects the
+            # push, hears at once when none will come.
+            if not self._push_ok:
+                self._no_push(off, "the prefill engine runs in mode 'pull'")
+            elif self._make_offer(rid, off, ready=False):
+                self._step.append(off.offer_id)
+            else:
+                self._no_push(off, "the prefill engine could not offer it")
 
     def _owned(self, remote: Remote) -> list[str]:
         """The prefill ranks whose holds this rank keeps, pulls or releases."""
@@ -223,36 +297,73 @@ class WorkerSide(Side):
                     "came from the prefix cache: the load would rewrite them")
         return None
 
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """vLLM wrote ``layer_name``'s KV this step: the step's pushes may send it."""
+        if not self._step or self._runtime is None or self._pushes is None:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self._runtime.spawn(self._pushes.mark, list(self._step), layer, cuda_event(kv_layer))
+
+    def _no_push(self, off: Offer, why: str) -> None:
+        rt = self._rt()
+        if rt.agent is not None:
+            rt.spawn(send_note, rt.agent, ranks.instance(off.push_to, self._tp_rank, self._tp_size),
+                     off.offer_id, "failed", why)
+
+    def _make_offer(self, rid: str, off: Offer, *, ready: bool) -> bool:
+        try:
+            handle = self._rt().call(self._offer, rid, off, ready)
+        except KVStreamError as exc:
+            log.error("offer of %s failed: %s", rid, exc)
+            self._results.put(("send", rid, False, []))
+            return False
+        self._offers[rid] = handle
+        self._rt().spawn(self._watch_offer, rid, handle)
+        return True
+
     def wait_for_save(self, meta: KVStreamMetadata | None) -> None:
+        step, self._step = self._step, []
         if meta is None or not (meta.offer or meta.abort_offer):
             return
         rt = self._rt()
         if meta.offer and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the forward wrote the blocks
-        for rid, (blocks, hashes, secret) in meta.offer.items():
-            try:
-                handle = rt.call(self._offer, rid, blocks, hashes, secret)
-            except KVStreamError as exc:
-                log.error("offer of %s failed: %s", rid, exc)
-                self._results.put(("send", rid, False, []))
+        for rid, off in meta.offer.items():
+            if off.push_to and self._push_ok:  # offered before the forward, pushed as it ran
+                if off.offer_id in step:
+                    rt.call(self._ready, rid, off.offer_id)
                 continue
-            self._offers[rid] = handle
-            rt.spawn(self._watch_offer, rid, handle)
+            self._make_offer(rid, off, ready=True)
         for rid in meta.abort_offer:
             offered = self._offers.get(rid)
             if offered is not None:
                 rt.spawn(offered.abort, "the prefill request did not finish normally")
+                if self._pushes is not None:
+                    rt.call(self._pushes.abort, offered.request_id,
+                            "the prefill request did not finish normally")
 
     # -- on the agent's loop --------------------------------------------------------------
-    def _offer(self, rid: str, blocks: list[int], hashes: list[int], secret: str) -> SendHandle:
+    def _offer(self, rid: str, off: Offer, ready: bool) -> SendHandle:
         agent = self._rt().agent
         if agent is None:
             raise AdapterError("the connector's agent is not running (shut down?)")
-        handle = agent.offer(rid, blocks, block_hashes=hashes, mode="eager",
-                             lease_s=self._extra.get("lease_s"), secret=secret)
-        handle.all_ready()
-        self._events("offered", request_id=rid, blocks=len(blocks), instance=self._instance)
+        handle = agent.offer(off.offer_id, off.blocks, block_hashes=off.hashes, mode="eager",
+                             lease_s=self._extra.get("lease_s"), secret=off.secret)
+        if ready:
+            handle.all_ready()
+        elif self._pushes is not None:
+            self._pushes.begin(rid, off, handle)
+        self._events("offered", request_id=rid, blocks=len(off.blocks), instance=self._instance,
+                     offer_id=off.offer_id, push_to=off.push_to if not ready else "")
         return handle
+
+    def _ready(self, rid: str, offer_id: str) -> None:
+        handle = self._offers.get(rid)
+        if handle is not None:
+            handle.all_ready()
+        if self._pushes is not None:
+            self._pushes.all_ready(offer_id)
 
     async def _watch_offer(self, rid: str, handle: SendHandle) -> None:
         res = await handle.result()
@@ -264,6 +375,8 @@ class WorkerSide(Side):
                 res.seconds * 1e3, res.codec)
         self._events("offer_ended", request_id=rid, status=res.status, reason=res.reason,
                      bytes=res.bytes, skipped=res.bytes_skipped, codec=res.codec)
+        if self._pushes is not None:  # its push reads the same blocks
+            await self._pushes.ended(handle.request_id)
         self._results.put(("send", rid, res.ok, []))
 
     async def _keep(self, src: str, rrid: str, secret: str) -> None:
@@ -275,10 +388,13 @@ class WorkerSide(Side):
         except KVStreamError as exc:
             log.warning("keeping %s at %s failed (the pull will report it): %s", rrid, src, exc)
 
-    async def _release(self, src: str, rrid: str, reason: str, secret: str) -> None:
+    async def _release(self, src: str, rrid: str, reason: str, secret: str, *,
+                       push: bool = False) -> None:
         agent = self._runtime.agent if self._runtime else None
         if agent is None:
             return
+        if push:  # the prefill may not have offered yet: it must not push either
+            await send_note(agent, src, rrid, "declined", reason)
         try:
             await agent.release(rrid, src, reason, secret)
         except KVStreamError as exc:  # a bad instance id: the hold expires with its lease
@@ -291,7 +407,7 @@ class WorkerSide(Side):
         rrid, sources = remote.request_id, self._sources(remote)
         src = ",".join(sources)
         res: TransferResult | None = None
-        why, let_go = "", False
+        why, let_go, via = "", False, "pull"
         try:
             if agent is None:
                 raise AdapterError("agent closed")
@@ -300,8 +416,23 @@ class WorkerSide(Side):
                 let_go = True
                 for held in self._owned(remote):
                     await self._release(held, rrid, f"the decode side declined the load: "
-                                        f"{refused}", remote.secret)
+                                        f"{refused}", remote.secret, push=remote.push)
                 raise AdapterError(refused)
+            if remote.push:
+                via = "push"
+                try:
+                    res = await self._take_push(agent, rid, job, sources[0])
+                    failed = res.reason
+                except (_NoPush, KVStreamError) as exc:  # e.g. a staged push that cannot skip
+                    res, failed = None, str(exc)
+                if res is not None and (res.ok or rid in self._cancelled):
+                    if res.ok:  # the prefill keeps its offer until told
+                        await self._release(sources[0], rrid, "pushed", remote.secret)
+                    raise _Done
+                via = "push, then pull"
+                log.info("kvstream load %s: the push from %s failed (%s): pulling its offer",
+                         rid, src, failed)
+                res = None
             # ``tokens``: how many the blocks are to hold, for a source of another block
             # size (ignored between equal layouts). Several sources: one gather of heads.
             # Decode TP above prefill TP: the decode ranks sharing a prefill rank each
@@ -325,6 +456,8 @@ class WorkerSide(Side):
                                             remote.secret)
             res = await handle.result()
             why = res.reason
+        except _Done:
+            why = res.reason if res is not None else ""
         except Exception as exc:  # vLLM must hear of every load, whatever failed
             why = f"{type(exc).__name__}: {exc}"
         finally:
@@ -337,7 +470,12 @@ class WorkerSide(Side):
             # renewed; a gather's other ranks and replicas too: let every hold go (a hold
             # a transfer took over is ended already, the release is then a no-op).
             for held in self._owned(remote):
-                await self._release(held, rrid, f"the load failed: {why}"[:200], remote.secret)
+                await self._release(held, rrid, f"the load failed: {why}"[:200], remote.secret,
+                                    push=remote.push)
+        elif cancelled and remote.push and agent is not None:
+            for held in self._owned(remote):  # the prefill may not have pushed yet
+                await self._release(held, rrid, "the decode request ended", remote.secret,
+                                    push=True)
         if cancelled:
             log.info("kvstream load %s aborted: the decode request ended (from %s, request %s)",
                      rid, src, rrid)
@@ -347,15 +485,40 @@ class WorkerSide(Side):
                         self._on_load_failure())
         elif res is not None:
             # One line per load, never per layer: what moved, how fast, from where.
-            log.info("kvstream load %s from %s (request %s): blocks=%d cached_blocks=%d bytes=%d "
-                     "ms=%.1f codec=%s", rid, src, rrid, len(blocks) - local, local, res.bytes,
-                     res.seconds * 1e3, res.codec)
-        self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok,
+            log.info("kvstream load %s from %s (request %s%s): blocks=%d cached_blocks=%d "
+                     "bytes=%d ms=%.1f codec=%s", rid, src, rrid,
+                     "" if via == "pull" else f", {via}", len(blocks) - local, local,
+                     res.bytes, res.seconds * 1e3, res.codec)
+        self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok, via=via,
                      reason=why, bytes=res.bytes if res else 0,
                      skipped=res.bytes_skipped if res else 0, codec=res.codec if res else "",
                      seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local,
                      sources=sources, tokens=job.tokens)
         self._results.put(("recv", rid, ok, blocks[local:]))
+
+    async def _take_push(self, agent: Agent, rid: str, job: PullJob, src: str
+                         ) -> TransferResult:
+        """The prefill's push into this request's blocks (claimed from staging if it came
+        first); bounded by ``reservation_timeout_s``, hurried by a "failed" note."""
+        rrid = job.remote.request_id
+        if rrid in self._expecting:
+            raise AdapterError(f"push {rrid} is expected by another request here")
+        early = self._failed.pop(rrid, None)
+        if early is not None and early[0] == src:
+            raise _NoPush(f"{src} could not push: {early[1]}")
+        handle = agent.expect(rrid, job.blocks, have=job.have, src=src)
+        self._pulls[rid] = handle
+        self._expecting[rrid] = (src, handle)
+        try:
+            if rid in self._cancelled:
+                await handle.abort("the decode request ended")
+            while True:  # a prefill that died before its push never sends a note
+                with anyio.move_on_after(PUSH_LIVENESS_S):
+                    return await handle.result()
+                if not agent.registry.alive(src):
+                    await handle.abort(f"{src} is not alive (no push will come)")
+        finally:
+            self._expecting.pop(rrid, None)
 
     def _on_load_failure(self) -> str:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute":

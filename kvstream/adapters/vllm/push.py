@@ -1,0 +1,238 @@
+"""Layer-pipelined push for vLLM (issue 20): both legs at once, the prefill pushes.
+
+The proxy (``--transfer push``) sends the decode leg with the prefill leg, naming each to
+the other: the prefill request's ``kv_transfer_params["kvstream"]`` carry ``push_to`` (the
+decode engine's instance id), ``push_id`` and ``secret``; the decode request's carry
+``transfer_mode: "push"`` and the prefill engine's id. The decode engine allocates blocks
+and ``expect()``s the push into them; the prefill rank, in the step that completes the
+prompt, offers the blocks (under the push id, for a pull) and pushes them, each layer as
+vLLM saves it (``save_kv_layer``), so only the last layer's bytes follow the forward. A
+push that arrives before the decode engine has allocated waits in its staging pool.
+
+Every way it can go wrong ends in a pull or a recompute, never a hang: a push that fails
+notes "failed" to the decode rank, which pulls the offer instead (its reservation is
+bounded by ``reservation_timeout_s`` if the note is lost); a decode request that ends or is
+declined before its load notes "declined", so the prefill neither pushes nor holds. A
+successful push ends the offer (nothing will pull it) and so frees the prefill's blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import msgspec
+
+from kvstream._exceptions import AdapterError
+from kvstream.adapters.vllm import ranks
+from kvstream.adapters.vllm.common import PUSH_TOPIC, Offer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.adapters.runtime import AgentRuntime
+    from kvstream.engine.agent import Agent
+    from kvstream.layout import KVLayout
+    from kvstream.transfer.handles import SendHandle
+
+__all__ = ["MAX_DECLINED", "PrefillPushes", "PushNote", "cuda_event", "decode_note", "send_note"]
+
+log = logging.getLogger("kvstream.adapters.vllm")
+
+MAX_DECLINED = 4096  # push ids declined before their push began (the oldest forgotten first)
+_PUSH_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+
+
+class PushNote(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a push's two ends tell each other (``Agent.note`` on ``PUSH_TOPIC``, signed)."""
+
+    push_id: str
+    state: Literal["declined", "failed"]
+    reason: str = ""
+
+
+def decode_note(body: bytes) -> PushNote | None:
+    """A peer's note, or None when it is malformed (dropped: a note only hurries a fallback
+    the bounded waits reach anyway)."""
+    try:
+        note = msgspec.json.decode(body, type=PushNote)
+    except msgspec.DecodeError:
+        return None
+    return note if _PUSH_ID.fullmatch(note.push_id) and len(note.reason) <= 512 else None
+
+
+async def send_note(agent: Agent, peer: str, push_id: str,
+                    state: Literal["declined", "failed"], reason: str) -> None:
+    body = msgspec.json.encode(PushNote(push_id=push_id, state=state, reason=reason[:500]))
+    try:
+        await agent.note(peer, PUSH_TOPIC, body)
+    except Exception as exc:  # the peer's bounded wait covers a lost note
+        log.debug("note %s %s to %s failed: %r", state, push_id, peer, exc)
+
+
+@dataclass(eq=False)
+class _Push:
+    rid: str                 # the prefill engine's request id
+    offer: Offer
+    dst: str                 # the decode rank's instance id
+    offer_handle: SendHandle
+    ready: set[int] = field(default_factory=set)   # layers vLLM saved
+    handle: SendHandle | None = None
+    declined: str = ""       # why the decode side no longer wants it ("": it does)
+    done: anyio.Event = field(default_factory=anyio.Event)  # the push ended, stopped
+
+
+class PrefillPushes:
+    """One prefill rank's pushes, by push id. Everything runs on the agent's loop."""
+
+    def __init__(self, rt: AgentRuntime, tp_rank: int, tp_size: int, layout: KVLayout,
+                 events: Callable[..., None]) -> None:
+        self._rt = rt
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._layout = layout
+        self._events = events
+        self._pushes: dict[str, _Push] = {}
+        # push id -> (who declined, why), for a decline that came before the push began
+        self._declined: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+
+    def dst_of(self, offer: Offer) -> str:
+        return ranks.instance(offer.push_to, self._tp_rank, self._tp_size)
+
+    def begin(self, rid: str, offer: Offer, offer_handle: SendHandle) -> None:
+        """The offer is made (not ready): push it too, unless the decode side declined."""
+        st = _Push(rid=rid, offer=offer, dst=self.dst_of(offer), offer_handle=offer_handle)
+        early = self._declined.pop(offer.offer_id, None)
+        if early is not None and early[0] == st.dst:
+            st.declined = early[1]
+        self._pushes[offer.offer_id] = st
+        self._rt.spawn(self._run, st)
+
+    async def ended(self, push_id: str) -> None:
+        """Until the push of ``push_id`` (if any) has ended: vLLM may free the blocks only
+        then (the offer's end alone does not say the push stopped reading them)."""
+        st = self._pushes.get(push_id)
+        if st is not None:
+            await st.done.wait()
+
+    def abort(self, push_id: str, reason: str) -> None:
+        """The prefill request ended abnormally: stop its push too."""
+        st = self._pushes.get(push_id)
+        if st is None:
+            return
+        st.declined = st.declined or reason
+        if st.handle is not None:
+            self._rt.spawn(st.handle.abort, reason)
+
+    async def mark(self, push_ids: list[str], layer: int, event: Any | None) -> None:
+        """vLLM saved ``layer`` for these pushes (``event``: its CUDA event, waited here)."""
+        if event is not None:
+            while not event.query():
+                await anyio.sleep(0.0002)
+        for pid in push_ids:
+            st = self._pushes.get(pid)
+            if st is None or layer in st.ready:
+                continue
+            st.ready.add(layer)
+            if st.handle is not None:
+                st.handle.layer_ready(layer)
+
+    def all_ready(self, push_id: str) -> None:
+        """The step's forward is done: every layer is final (a backend that never called
+        ``save_kv_layer`` pushes eagerly this way)."""
+        st = self._pushes.get(push_id)
+        if st is None:
+            return
+        st.ready.update(range(self._layout.num_layers))
+        if st.handle is not None:
+            st.handle.all_ready()
+
+    def on_note(self, sender: str, body: bytes) -> None:
+        note = decode_note(body)
+        if note is None or note.state != "declined":
+            return
+        st = self._pushes.get(note.push_id)
+        if st is None:
+            self._declined[note.push_id] = (sender, note.reason)
+            while len(self._declined) > MAX_DECLINED:
+                self._declined.popitem(last=False)
+            return
+        if sender != st.dst or st.declined:
+            return
+        st.declined = note.reason or "declined by the decode side"
+        if st.handle is not None:
+            self._rt.spawn(st.handle.abort, f"the decode side declined: {st.declined}")
+        self._rt.spawn(st.offer_handle.abort, f"the decode side declined: {st.declined}")
+
+    async def _run(self, st: _Push) -> None:
+        agent = self._rt.agent
+        pid = st.offer.offer_id
+        ok, why = False, ""
+        try:
+            if agent is None:
+                raise AdapterError("agent closed")
+            if st.declined:
+                await st.offer_handle.abort(f"not pushed: {st.declined}")
+                return
+            why = self._refusal(agent, st.dst)
+            if why:
+                raise AdapterError(why)
+            handle = await agent.push(pid, st.dst, st.offer.blocks, mode="pipelined",
+                                      block_hashes=st.offer.hashes)
+            st.handle = handle
+            for layer in sorted(st.ready):
+                handle.layer_ready(layer)
+            if st.declined:
+                await handle.abort(f"the decode side declined: {st.declined}")
+            res = await handle.result()
+            ok, why = res.ok, res.reason
+            self._events("push_ended", request_id=st.rid, push_id=pid, dst=st.dst, ok=ok,
+                         reason=why, bytes=res.bytes, skipped=res.bytes_skipped,
+                         seconds=res.seconds)
+        except Exception as exc:  # whatever failed, the decode side must hear of it
+            ok, why = False, why or f"{type(exc).__name__}: {exc}"
+            self._events("push_ended", request_id=st.rid, push_id=pid, dst=st.dst, ok=False,
+                         reason=why)
+        finally:
+            self._pushes.pop(pid, None)
+            st.done.set()
+        if ok:
+            # The offer stays until the decode rank releases it (it has the KV in its
+            # blocks) or its lease ends: a push that landed in staging may still be
+            # dropped there unclaimed, and then the decode rank pulls.
+            log.debug("kvstream push %s (%s) to %s done", st.rid, pid, st.dst)
+        elif not st.declined and agent is not None:
+            log.warning("kvstream push %s (%s) to %s failed: %s; its offer stays for a pull",
+                        st.rid, pid, st.dst, why)
+            await send_note(agent, st.dst, pid, "failed", why)
+
+    def _refusal(self, agent: Agent, dst: str) -> str:
+        """Why this rank does not push to ``dst`` ("": it does): only into a rank announcing
+        this rank's layout and TP share, which the proxy checked too (a client may have
+        written the params)."""
+        ann = next((a for a in agent.peers() if a.instance_id == dst), None)
+        if ann is None:
+            return f"{dst} is not announced here"
+        if ann.role not in ("decode", "both"):
+            return f"{dst} is a {ann.role} instance"
+        if ann.layout is None or ann.layout.fingerprint != self._layout.fingerprint:
+            return f"{dst} registers another KV layout"
+        tp = ann.tp
+        if (tp.size if tp else 1) != self._tp_size or (tp.rank if tp else 0) != self._tp_rank:
+            return f"{dst} is not this rank's peer at TP {self._tp_size}"
+        return ""
+
+
+def cuda_event(kv_layer: torch.Tensor) -> Any | None:
+    """An event after the layer's KV write on its device's stream (None on CPU: written)."""
+    if not kv_layer.is_cuda:
+        return None
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
