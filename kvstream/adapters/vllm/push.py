@@ -33,18 +33,23 @@ from kvstream.adapters.vllm import ranks
 from kvstream.adapters.vllm.common import PUSH_TOPIC, Offer
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from kvstream.adapters.runtime import AgentRuntime
     from kvstream.engine.agent import Agent
     from kvstream.layout import KVLayout
-    from kvstream.transfer.handles import SendHandle
+    from kvstream.transfer import TransferResult
+    from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
-__all__ = ["MAX_DECLINED", "PrefillPushes", "PushNote", "cuda_event", "decode_note", "send_note"]
+__all__ = ["MAX_DECLINED", "PUSH_LIVENESS_S", "DecodePushes", "NoPush", "PrefillPushes", "PushNote",
+           "cuda_event", "decode_note", "send_note"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
-MAX_DECLINED = 4096  # push ids declined before their push began (the oldest forgotten first)
+MAX_DECLINED = 4096  # push ids declined (or failed) before they were expected, oldest out first
+PUSH_LIVENESS_S = 0.5  # how often a decode rank waiting for a push checks its source lives
 _PUSH_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 
 
@@ -225,6 +230,53 @@ class PrefillPushes:
         if (tp.size if tp else 1) != self._tp_size or (tp.rank if tp else 0) != self._tp_rank:
             return f"{dst} is not this rank's peer at TP {self._tp_size}"
         return ""
+
+
+class NoPush(Exception):
+    """The prefill rank said it will not push: pull at once."""
+
+
+class DecodePushes:
+    """One decode rank's awaited pushes, by push id. Everything runs on the agent's loop."""
+
+    def __init__(self, rt: AgentRuntime) -> None:
+        self._rt = rt
+        self._expecting: dict[str, tuple[str, ReceiveHandle]] = {}  # push id -> (source, it)
+        # push id -> (who, why) of "failed" notes that came before the expect
+        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+
+    def on_failed(self, sender: str, note: PushNote) -> None:
+        """A "failed" note hurries the fallback pull; one that comes before this rank
+        expects (the request still queues) is kept for then."""
+        waiting = self._expecting.get(note.push_id)
+        if waiting is None:
+            self._failed[note.push_id] = (sender, note.reason)
+            while len(self._failed) > MAX_DECLINED:
+                self._failed.popitem(last=False)
+        elif waiting[0] == sender and not waiting[1].done:
+            self._rt.spawn(waiting[1].abort, f"{sender} could not push: {note.reason}"[:300])
+
+    async def take(self, agent: Agent, push_id: str, blocks: list[int], have: Iterable[int],
+                   src: str, started: Callable[[ReceiveHandle], Any]) -> TransferResult:
+        """The prefill's push into ``blocks`` (claimed from staging if it came first);
+        bounded by ``reservation_timeout_s``, hurried by a "failed" note, given up when
+        ``src`` is no longer alive. ``started`` gets the reservation (to abort it)."""
+        if push_id in self._expecting:
+            raise AdapterError(f"push {push_id} is expected by another request here")
+        early = self._failed.pop(push_id, None)
+        if early is not None and early[0] == src:
+            raise NoPush(f"{src} could not push: {early[1]}")
+        handle = agent.expect(push_id, blocks, have=have, src=src)
+        self._expecting[push_id] = (src, handle)
+        try:
+            await started(handle)
+            while True:  # a prefill that died before its push never sends a note
+                with anyio.move_on_after(PUSH_LIVENESS_S):
+                    return await handle.result()
+                if not agent.registry.alive(src):
+                    await handle.abort(f"{src} is not alive (no push will come)")
+        finally:
+            self._expecting.pop(push_id, None)
 
 
 def cuda_event(kv_layer: torch.Tensor) -> Any | None:

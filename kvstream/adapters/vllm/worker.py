@@ -10,14 +10,12 @@ of several."""
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import queue
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -36,7 +34,8 @@ from kvstream.adapters.vllm.common import (
     log,
 )
 from kvstream.adapters.vllm.push import (
-    MAX_DECLINED,
+    DecodePushes,
+    NoPush,
     PrefillPushes,
     cuda_event,
     decode_note,
@@ -60,13 +59,6 @@ if TYPE_CHECKING:
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
 __all__ = ["WorkerSide"]
-
-
-PUSH_LIVENESS_S = 0.5  # how often a decode rank waiting for a push checks its source lives
-
-
-class _NoPush(Exception):
-    """The prefill said it will not push: pull at once (internal)."""
 
 
 class _Done(Exception):
@@ -99,10 +91,7 @@ class WorkerSide(Side):
         self._pushes: PrefillPushes | None = None
         self._step: list[str] = []
         self._layer_of: dict[str, int] = {}
-        # decode: push id -> (the prefill rank expected, the reservation), agent's loop only
-        self._expecting: dict[str, tuple[str, ReceiveHandle]] = {}
-        # decode: push id -> (who, why) of "failed" notes that came before the expect
-        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self._incoming: DecodePushes | None = None  # the decode's awaited pushes (push.py)
 
     def _tp_share(self, layout: KVLayout) -> TpInfo:
         """This rank's TP share as the engine announces it (which model heads it holds)."""
@@ -154,6 +143,7 @@ class WorkerSide(Side):
         self._layer_of = layer_indices(kv_caches)
         self._runtime = rt = AgentRuntime(self._agent_config(), layout, layers)
         self._pushes = PrefillPushes(rt, self._tp_rank, self._tp_size, layout, self._events)
+        self._incoming = DecodePushes(rt)
         rt.call(self._listen)
         if self._tp_rank == 0:
             self._bridge_kv_events()
@@ -176,14 +166,8 @@ class WorkerSide(Side):
         if note.state == "declined":
             if self._pushes is not None:
                 self._pushes.on_note(sender, body)
-            return
-        waiting = self._expecting.get(note.push_id)
-        if waiting is None:  # before this rank expects it (the request still queues)
-            self._failed[note.push_id] = (sender, note.reason)
-            while len(self._failed) > MAX_DECLINED:
-                self._failed.popitem(last=False)
-        elif waiting[0] == sender and not waiting[1].done:
-            self._rt().spawn(waiting[1].abort, f"{sender} could not push: {note.reason}"[:300])
+        elif self._incoming is not None:
+            self._incoming.on_failed(sender, note)
 
     def _bridge_kv_events(self) -> None:
         """vLLM's KV cache events (``--kv-events-config``, zmq publisher) onto this agent's
@@ -423,7 +407,7 @@ class WorkerSide(Side):
                 try:
                     res = await self._take_push(agent, rid, job, sources[0])
                     failed = res.reason
-                except (_NoPush, KVStreamError) as exc:  # e.g. a staged push that cannot skip
+                except (NoPush, KVStreamError) as exc:  # e.g. a staged push that cannot skip
                     res, failed = None, str(exc)
                 if res is not None and (res.ok or rid in self._cancelled):
                     if res.ok:  # the prefill keeps its offer until told
@@ -498,27 +482,16 @@ class WorkerSide(Side):
 
     async def _take_push(self, agent: Agent, rid: str, job: PullJob, src: str
                          ) -> TransferResult:
-        """The prefill's push into this request's blocks (claimed from staging if it came
-        first); bounded by ``reservation_timeout_s``, hurried by a "failed" note."""
-        rrid = job.remote.request_id
-        if rrid in self._expecting:
-            raise AdapterError(f"push {rrid} is expected by another request here")
-        early = self._failed.pop(rrid, None)
-        if early is not None and early[0] == src:
-            raise _NoPush(f"{src} could not push: {early[1]}")
-        handle = agent.expect(rrid, job.blocks, have=job.have, src=src)
-        self._pulls[rid] = handle
-        self._expecting[rrid] = (src, handle)
-        try:
+        if self._incoming is None:
+            raise AdapterError("KV caches not registered with KVStreamConnector")
+
+        async def started(handle: ReceiveHandle) -> None:
+            self._pulls[rid] = handle
             if rid in self._cancelled:
                 await handle.abort("the decode request ended")
-            while True:  # a prefill that died before its push never sends a note
-                with anyio.move_on_after(PUSH_LIVENESS_S):
-                    return await handle.result()
-                if not agent.registry.alive(src):
-                    await handle.abort(f"{src} is not alive (no push will come)")
-        finally:
-            self._expecting.pop(rrid, None)
+
+        return await self._incoming.take(agent, job.remote.request_id, job.blocks, job.have,
+                                         src, started)
 
     def _on_load_failure(self) -> str:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute":
