@@ -102,10 +102,12 @@ class ProxyStatistics(msgspec.Struct, frozen=True, kw_only=True):
     kv_fallbacks: int = 0
     prompt_blocks: dict[str, int] = {}
     hit_blocks: dict[str, int] = {}
-    # transfer "push": requests sent to both legs at once, and those pulled instead (the
-    # two engines are not equal, or one does not announce every rank)
+    # transfer "push": requests sent to both legs at once, those pulled instead (the two
+    # engines are not equal, or one does not announce every rank), and pushes whose
+    # prefill leg failed (the decode ranks were told: they recompute)
     pushed: int = 0
     push_declined: int = 0
+    push_failed: int = 0
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

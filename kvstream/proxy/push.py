@@ -3,11 +3,13 @@
 One job: decide whether a prefill and a decode engine can take a layer-pipelined push (both
 announce every TP rank, equal TP degree and equal KV layout: the connector pushes between
 equal ranks only) and write the two legs' ``kv_transfer_params`` that name each to the
-other (``kvstream.adapters.vllm.push`` reads them).
+other (``kvstream.adapters.vllm.push`` reads them), and tell the decode ranks when the
+prefill leg failed.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import uuid
@@ -15,11 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvstream._exceptions import KVStreamError
+from kvstream.control.push_notes import note_message
+
 if TYPE_CHECKING:
+    from kvstream.control.bus import ControlBus
     from kvstream.control.registry import Registry
+    from kvstream.control.subjects import Subjects
     from kvstream.routing.directory import Instance
 
-__all__ = ["PushPlan", "decode_params", "prefill_push", "push_plan"]
+__all__ = ["PushPlan", "decode_params", "decode_ranks", "note_failed", "prefill_push",
+           "push_plan"]
+
+log = logging.getLogger("kvstream.proxy")
 
 _RANK = re.compile(r"(.+)-tp(\d+)")
 
@@ -75,11 +85,31 @@ def prefill_push(body: dict[str, Any], plan: PushPlan) -> dict[str, Any]:
     return {**body, "kv_transfer_params": params}
 
 
-def decode_params(plan: PushPlan) -> dict[str, Any]:
-    """The D leg's ``kv_transfer_params``: expect the push (NIXL's keys, as a prefill's)."""
+def decode_params(plan: PushPlan, by: str = "") -> dict[str, Any]:
+    """The D leg's ``kv_transfer_params``: expect the push (NIXL's keys, as a prefill's);
+    ``by``: the proxy, whose signed "failed" note the decode ranks heed too."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": plan.prefill, "remote_request_id": plan.push_id,
             "remote_block_ids": [[]], "remote_host": "", "remote_port": 0,
             "tp_size": plan.tp_size, "transfer_mode": "push",
             "kvstream": {"push": True, "instance": plan.prefill, "secret": plan.secret,
-                         "block_size": plan.block_size}}
+                         "block_size": plan.block_size, "by": by}}
+
+
+def decode_ranks(plan: PushPlan) -> list[str]:
+    """The instance ids of the decode engine's ranks (each expects its share)."""
+    if plan.tp_size == 1:
+        return [plan.decode]
+    return [f"{plan.decode}-tp{r}" for r in range(plan.tp_size)]
+
+
+async def note_failed(bus: ControlBus, subjects: Subjects, plan: PushPlan, reason: str) -> None:
+    """Tell every decode rank the push will not come (the prefill leg failed before its
+    engine's ranks could say so themselves): they pull or recompute now instead of waiting
+    out their reservations. Best effort: a lost note leaves that bound."""
+    msg = note_message(plan.push_id, "failed", reason)
+    for inst in decode_ranks(plan):
+        try:
+            await bus.publish(subjects.control(inst), msg)
+        except KVStreamError as exc:
+            log.warning("noting push %s failed to %s: %s", plan.push_id, inst, exc)

@@ -33,7 +33,7 @@ from kvstream.proxy.config import (
 )
 from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
 from kvstream.proxy.kv_route import block_sizes, prompt_tokens, route_request
-from kvstream.proxy.push import PushPlan, decode_params, push_plan
+from kvstream.proxy.push import PushPlan, decode_params, note_failed, push_plan
 from kvstream.routing.directory import Directory, Instance, LegRole
 from kvstream.telemetry import open_span, route_decided
 
@@ -207,17 +207,21 @@ class Proxy(Legs):
         computes and pushes each layer into it (its connector pulls, or vLLM recomputes,
         if the push fails; push.py in the vLLM adapter)."""
         self._counts["pushed"] += 1
-        d_params = decode_params(plan)
+        d_params = decode_params(plan, by=self.proxy_id)
         rid = headers["X-Request-Id"]
 
-        def failed(task: asyncio.Future[Any]) -> None:
-            exc = None if task.cancelled() else task.exception()
-            if exc is not None:
+        async def p_leg() -> None:  # its answer is only its errors
+            try:
+                await self._prefill(p, request.path, body, headers, plan)
+            except Exception as exc:  # whatever it was, the decode ranks must hear of it
+                self._counts["push_failed"] += 1
                 log.warning("%s: the prefill leg of a push failed (%s); the decode engine "
                             "pulls or recomputes", rid, exc)
+                if self._bus is not None:
+                    with anyio.move_on_after(self.config.abort_timeout_s):
+                        await note_failed(self._bus, self._subjects, plan, str(exc))
 
-        prefill = asyncio.ensure_future(self._prefill(p, request.path, body, headers, plan))
-        prefill.add_done_callback(failed)  # the P leg's answer is only its errors
+        prefill = asyncio.ensure_future(p_leg())
         # ``d_params`` name the prefill's offer of the push: released if D fails.
         try:
             response, d = await self._decode(request, decode_body(body, d_params), d_params,
@@ -343,7 +347,8 @@ class Proxy(Legs):
                                kv_fallbacks=c["kv_fallbacks"],
                                prompt_blocks={r: c[f"blocks_{r}"] for r in ("prefill", "decode")},
                                hit_blocks={r: c[f"hits_{r}"] for r in ("prefill", "decode")},
-                               pushed=c["pushed"], push_declined=c["push_declined"])
+                               pushed=c["pushed"], push_declined=c["push_declined"],
+                               push_failed=c["push_failed"])
 
 
 @web.middleware

@@ -503,3 +503,46 @@ async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats
             assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode"
         assert "kvstream" not in p_eng.bodies()[0]["kv_transfer_params"]
         assert proxy.statistics().pushed == 0 and proxy.statistics().push_declined == 1
+
+
+async def test_a_failed_prefill_leg_of_a_push_tells_every_decode_rank_at_once(nats_server):
+    """The P leg of a push fails at the proxy (its engine answers 500: no rank of it ever
+    heard of the request, so none will note the push failed): the proxy itself sends the
+    decode engine a signed "failed" note for the push id, naming itself in the D leg's
+    params as one whose note counts, so the decode rank recomputes now instead of waiting
+    out its reservation."""
+    from kvstream.control.push_notes import PUSH_TOPIC, decode_note
+
+    lay = small_layout()
+    p_eng = FakeEngine("p", status=500)
+    d_eng = FakeEngine("d", hold=lambda body: True)  # answers once the note came
+    notes: list[tuple[str, object]] = []
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace="px-pushf",
+                             transfer="push") as (proxy, client), \
+            Agent(cfg("px-fp", nats_server, namespace="px-pushf", role="prefill",
+                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
+            Agent(cfg("px-fd", nats_server, namespace="px-pushf", role="decode",
+                      endpoint=d_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)) \
+            as decode:
+        def on_note(sender: str, body: bytes) -> None:
+            notes.append((sender, decode_note(body)))
+            d_eng.release.set()
+
+        decode.on_note(PUSH_TOPIC, on_note)
+        await until_routable(proxy, 1, 1)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
+        with anyio.fail_after(20):
+            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers[ROUTE_HEADER] == "prefill-decode-push"
+        (_, d_body, _), = d_eng.received
+        ours = d_body["kv_transfer_params"]["kvstream"]
+        assert ours["by"] == proxy.proxy_id
+        (sender, note), = notes
+        assert sender == proxy.proxy_id  # signed: the decode agent checked who sent it
+        assert note is not None and note.state == "failed"
+        assert note.push_id == d_body["kv_transfer_params"]["remote_request_id"]
+        assert "500" in note.reason, note
+        stats = proxy.statistics()
+        assert stats.pushed == 1 and stats.push_failed == 1 and stats.prefill_errors == 1

@@ -14,10 +14,12 @@ poll, what was checked) is written to OUT as JSON. Scenarios: ``ok``, ``abort_de
 (the decode aborts after its metadata, before the prefill sends), ``kill`` (the prefill
 sleeps after its first room so the test can kill it; the decode's next room must fail
 within the peer timeout), ``ask`` (a decode that asks for each room read from stdin,
-for SGLang's own sender tests). The prefill's ``KVArgs`` carry its heads (as SGLang 0.5.23's
-prefill sets them); with ``--model-dir`` the decode gets a real ``ServerArgs`` for that
-model and no heads in its ``KVArgs`` (as SGLang 0.5.23's decode), so the backend reads
-them from SGLang's model config.
+for SGLang's own sender tests), ``late`` (a prefill rank above 0 builds its last
+room's sender only once the decode has left: the Want it kept must still count). The
+prefill's ``KVArgs`` carry its heads (as SGLang 0.5.23's prefill sets them); with
+``--model-dir`` the decode gets a real ``ServerArgs`` for that model and no heads in its
+``KVArgs`` (as SGLang 0.5.23's decode), so the backend reads them from SGLang's model
+config.
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def main() -> None:
     if role == "prefill":
         cls = get_kv_class(backend, KVClassType.SENDER)
         for i, room in enumerate(rooms):
+            if scenario == "late" and a.rank > 0 and i == len(rooms) - 1:
+                report["decode_left"] = until(lambda: not mgr.rt.call(
+                    mgr.agent.registry.instances, "decode"), {True}, timeout=60)
             sender = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room,
                          dest_tp_ranks=[a.rank], pp_rank=0)
             first = until(sender.poll, {KVPoll.WaitingForInput, KVPoll.Failed})

@@ -202,3 +202,18 @@ def test_pages_move_between_engines_of_other_tp_degrees(tmp_path, nats_url, pref
             assert report["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, report)
     if mla and prefill_tp > decode_tp:  # rank 1 was not read: nothing left it
         assert not pre[1]["polls"][str(rooms[0])][2], pre  # no bytes (SGLang: None)
+
+
+def test_a_want_kept_for_a_request_still_counts_after_its_decode_left(tmp_path, nats_url):
+    """MLA, prefill TP 2 to decode TP 1: the decode reads rank 0 and tells rank 1 it is not
+    read. Rank 1 builds its last sender only after the decode finished and left; the
+    Want it kept for that room (from a live decode when it came) still counts, so rank 1
+    succeeds instead of waiting out its bootstrap timeout."""
+    rooms = [7_000_001, 7_000_002]
+    pre, (dec,) = _run(tmp_path, nats_url, "late", rooms, 19200, prefill_tp=2, mla=True)
+    for room in rooms:
+        assert dec["polls"][str(room)][:2] == [SUCCESS, True], dec
+    assert pre[1]["decode_left"] == 1, pre  # ``until`` returned True: the decode was gone
+    for rank in (0, 1):
+        for room in rooms:
+            assert pre[rank]["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, pre)

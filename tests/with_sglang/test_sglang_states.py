@@ -62,7 +62,7 @@ class _Mgr:
     def rank_of(self, sender):
         return self.tps.get(sender)
 
-    def is_decode(self, sender):
+    def decode_role(self, sender):
         return None if sender in self.unannounced else sender.startswith("dec")
 
     def send_note(self, peer, note):

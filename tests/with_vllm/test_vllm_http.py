@@ -373,3 +373,65 @@ def test_a_push_that_cannot_land_falls_back_and_never_hangs(served):
     assert len(loads) == 1 and not loads[0]["ok"] and loads[0]["via"] == "push, then pull", loads
     pushes = [x for x in _pushes(events) if x["push_id"] == plan.push_id]
     assert len(pushes) == 1 and not pushes[0]["ok"], pushes
+
+
+def test_a_proxys_failed_note_ends_the_wait_and_the_engine_announces_its_load(served):
+    """A decode leg of a push whose prefill leg failed at the proxy (never sent here: no
+    prefill rank hears of it, none will note): the decode engine holds the request and its
+    blocks, announced as its load, until the proxy named in its params (``by``) notes the
+    push failed, signed; then it recomputes at once, and the announced load falls back to
+    nothing when vLLM idles."""
+    import threading
+
+    import anyio
+
+    from kvstream.control import messages as m
+    from kvstream.control.bus import ControlBus
+    from kvstream.control.identity import Identity
+    from kvstream.control.subjects import Subjects
+    from kvstream.proxy.push import PushPlan, decode_params, note_failed
+
+    plan = PushPlan(prefill="http-prefill", decode="http-decode", tp_size=1,
+                    block_size=E.BLOCK, push_id="push-" + os.urandom(8).hex(),
+                    secret=os.urandom(12).hex())
+    prompt = E.prompt(3 * E.BLOCK + 5, 97)  # 4 blocks
+    result: dict[str, Any] = {}
+
+    def decode() -> None:
+        body = {**_body(served["model"], prompt),
+                "kv_transfer_params": decode_params(plan, by="test-proxy")}
+        result["d"] = _post(f"{served['decode']}/v1/completions", body)
+
+    async def main() -> list[tuple[int, int]]:
+        loads: list[tuple[int, int]] = []
+        bus = await ControlBus.connect(served["nats"].url, name="test-proxy")
+        bus.seal.identity = Identity("test-proxy")  # signs; trusts anyone (a test)
+
+        async def on_registry(msg: Any, headers: dict[str, str]) -> None:
+            if isinstance(msg, m.Announce) and msg.instance_id == "http-decode":
+                loads.append((msg.requests, msg.kv_used))
+
+        try:
+            await bus.serve(Subjects("default").registry_all, on_registry)
+            t = threading.Thread(target=decode)
+            t.start()
+            with anyio.fail_after(60):  # the request waits for its push, announced
+                while not any(r >= 1 and kv >= 4 for r, kv in loads):
+                    await anyio.sleep(0.1)
+            await note_failed(bus, Subjects("default"), plan, "the prefill leg answered 500")
+            await anyio.to_thread.run_sync(t.join, 120)
+            assert "d" in result
+            seen = len(loads)
+            with anyio.fail_after(30):  # vLLM idles: nothing held any more
+                while not loads[seen:] or loads[-1] != (0, 0):
+                    await anyio.sleep(0.1)
+        finally:
+            await bus.close()
+        return loads
+
+    anyio.run(main)
+    want = _post(f"{served['prefill']}/v1/completions", _body(served["model"], prompt))
+    assert result["d"]["choices"][0]["text"] == want["choices"][0]["text"]
+    loads = [x for x in _pulls(served["events"]) if x["remote_request_id"] == plan.push_id]
+    assert len(loads) == 1 and not loads[0]["ok"] and loads[0]["via"] == "push, then pull"
+    assert "test-proxy" in loads[0]["push_reason"] and "500" in loads[0]["push_reason"], loads

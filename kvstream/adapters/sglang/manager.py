@@ -276,6 +276,16 @@ class KVStreamKVManager(BaseKVManager):
             return None
         return ann.role in ("decode", "both") and self.alive(sender)
 
+    def decode_role(self, sender: str) -> bool | None:
+        """Whether ``sender`` announced itself as a decode instance (None: not yet), alive
+        or not: a note ``on_want`` took from a live decode still counts once its request
+        is here, even if that decode has left since (a rank it does not read succeeds
+        once computed; one it reads fails when its offer's lease ends)."""
+        ann = self.agent.registry.announced(sender)
+        if ann is None:
+            return None
+        return ann.role in ("decode", "both")
+
     def key_of(self, sender: str) -> bytes:
         """The key ``sender``'s notes are signed with now (a note kept until its sender
         announced itself counts only if the announced key is the one it came with)."""

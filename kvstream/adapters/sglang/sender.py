@@ -71,11 +71,12 @@ class KVStreamKVSender(Side, BaseKVSender):
         return list(self.wants)
 
     def heard(self, sender: str, note: notes.Want | notes.Drop, key: bytes) -> None:
-        """On the agent's loop: a note for this room (from a live decode instance, or
-        kept until its sender has announced itself: ``poll`` retries), signed with
-        ``key``."""
+        """On the agent's loop: a note for this room (from an instance that was a live
+        decode when the note came, or kept until its sender has announced itself:
+        ``poll`` retries), signed with ``key``. Whether the decode is still alive is not
+        asked again: it may have finished and left while this request queued."""
         mgr = self.kv_mgr
-        decode = mgr.is_decode(sender)
+        decode = mgr.decode_role(sender)
         if decode is None:
             if len(self._unknown) < MAX_UNKNOWN:
                 self._unknown.append((sender, note, key))

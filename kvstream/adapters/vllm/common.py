@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from kvstream._exceptions import AdapterError, ConfigError
+from kvstream.control.push_notes import PUSH_TOPIC
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["CPU_CONVERTS", "CPU_REFUSAL", "EVENTS_ENV", "PUSH_TOPIC", "KVStreamMetadata", "Offer",
-           "PullJob", "Remote", "Side", "flat", "push_request", "total_kv_heads",
-           "use_vllm_logging"]
+           "PullJob", "Remote", "Side", "flat", "instance_id_ok", "push_request",
+           "total_kv_heads", "use_vllm_logging"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
@@ -37,11 +38,13 @@ EXTRA_KEYS = frozenset({"nats_url", "namespace", "instance_id", "codec", "lease_
                         "mode", "host", "trace_file", "heartbeat_s", "request_timeout_s",
                         "staging_bytes", "nats_auth", "reservation_timeout_s",
                         "staging_wait_s"})
-# The notes a push's two ends exchange (Agent.note): "declined" (decode -> prefill: do not
-# push, or stop), "failed" (prefill -> decode: the push will not come, pull instead).
-PUSH_TOPIC: Final = "kvstream.vllm.push"
 _PUSH_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def instance_id_ok(value: str) -> bool:
+    """Whether a client-writable param can name a kvstream instance (a subject token)."""
+    return bool(_INSTANCE.fullmatch(value))
 
 
 def push_request(ours: Any) -> tuple[str, str, str] | None:
@@ -69,6 +72,7 @@ class Remote:
     block_size: int = 0     # the prefill engine's block size
     device: str = ""        # where the prefill engine keeps its KV ("cpu", "cuda"; "": not said)
     push: bool = False      # the prefill pushes under ``request_id`` (the proxy's push id)
+    by: str = ""            # the proxy that planned the push (its "failed" note counts too)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class KVStreamMetadata(KVConnectorMetadata):
     abort_pull: list[str] = field(default_factory=list)
     # decode: (holds, reason) to drop without pulling
     release: list[tuple[Remote, str]] = field(default_factory=list)
+    # the engine's load for routers: (requests it holds, KV blocks in use), every step
+    load: tuple[int, int] | None = None
 
 
 # vLLM's CPU attention (0.32, "vec" ISA: float32/float16 on x86) keeps K transposed in

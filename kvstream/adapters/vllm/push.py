@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import msgspec
 
 from kvstream._exceptions import AdapterError
 from kvstream.adapters.vllm import ranks
-from kvstream.adapters.vllm.common import PUSH_TOPIC, Offer
+from kvstream.adapters.vllm.common import Offer
+from kvstream.control.push_notes import PUSH_TOPIC, PushNote, decode_note, encode_note
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -50,32 +49,12 @@ log = logging.getLogger("kvstream.adapters.vllm")
 
 MAX_DECLINED = 4096  # push ids declined (or failed) before they were expected, oldest out first
 PUSH_LIVENESS_S = 0.5  # how often a decode rank waiting for a push checks its source lives
-_PUSH_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
-
-
-class PushNote(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a push's two ends tell each other (``Agent.note`` on ``PUSH_TOPIC``, signed)."""
-
-    push_id: str
-    state: Literal["declined", "failed"]
-    reason: str = ""
-
-
-def decode_note(body: bytes) -> PushNote | None:
-    """A peer's note, or None when it is malformed (dropped: a note only hurries a fallback
-    the bounded waits reach anyway)."""
-    try:
-        note = msgspec.json.decode(body, type=PushNote)
-    except msgspec.DecodeError:
-        return None
-    return note if _PUSH_ID.fullmatch(note.push_id) and len(note.reason) <= 512 else None
 
 
 async def send_note(agent: Agent, peer: str, push_id: str,
                     state: Literal["declined", "failed"], reason: str) -> None:
-    body = msgspec.json.encode(PushNote(push_id=push_id, state=state, reason=reason[:500]))
     try:
-        await agent.note(peer, PUSH_TOPIC, body)
+        await agent.note(peer, PUSH_TOPIC, encode_note(push_id, state, reason))
     except Exception as exc:  # the peer's bounded wait covers a lost note
         log.debug("note %s %s to %s failed: %r", state, push_id, peer, exc)
 
@@ -241,33 +220,41 @@ class DecodePushes:
 
     def __init__(self, rt: AgentRuntime) -> None:
         self._rt = rt
-        self._expecting: dict[str, tuple[str, ReceiveHandle]] = {}  # push id -> (source, it)
-        # push id -> (who, why) of "failed" notes that came before the expect
-        self._failed: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # push id -> (who may note it failed: its source rank and the proxy that planned it,
+        # the reservation)
+        self._expecting: dict[str, tuple[frozenset[str], ReceiveHandle]] = {}
+        # (push id, who) -> why, of "failed" notes that came before the expect (by sender:
+        # one from a peer whose note does not count must not hide one that does)
+        self._failed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
 
     def on_failed(self, sender: str, note: PushNote) -> None:
-        """A "failed" note hurries the fallback pull; one that comes before this rank
-        expects (the request still queues) is kept for then."""
+        """A "failed" note (from the source rank, or the proxy whose prefill leg failed)
+        hurries the fallback pull; one that comes before this rank expects (the request
+        still queues) is kept for then."""
         waiting = self._expecting.get(note.push_id)
         if waiting is None:
-            self._failed[note.push_id] = (sender, note.reason)
+            self._failed[note.push_id, sender] = note.reason
             while len(self._failed) > MAX_DECLINED:
                 self._failed.popitem(last=False)
-        elif waiting[0] == sender and not waiting[1].done:
-            self._rt.spawn(waiting[1].abort, f"{sender} could not push: {note.reason}"[:300])
+        elif sender in waiting[0] and not waiting[1].done:
+            self._rt.spawn(waiting[1].abort, f"{sender}: no push: {note.reason}"[:300])
 
     async def take(self, agent: Agent, push_id: str, blocks: list[int], have: Iterable[int],
-                   src: str, started: Callable[[ReceiveHandle], Any]) -> TransferResult:
+                   src: str, started: Callable[[ReceiveHandle], Any], by: str = ""
+                   ) -> TransferResult:
         """The prefill's push into ``blocks`` (claimed from staging if it came first);
-        bounded by ``reservation_timeout_s``, hurried by a "failed" note, given up when
-        ``src`` is no longer alive. ``started`` gets the reservation (to abort it)."""
+        bounded by ``reservation_timeout_s``, hurried by a "failed" note from ``src`` or
+        ``by`` (the proxy that planned it), given up when ``src`` is no longer alive.
+        ``started`` gets the reservation (to abort it)."""
         if push_id in self._expecting:
             raise AdapterError(f"push {push_id} is expected by another request here")
-        early = self._failed.pop(push_id, None)
-        if early is not None and early[0] == src:
-            raise NoPush(f"{src} could not push: {early[1]}")
+        notifiers = frozenset(x for x in (src, by) if x)
+        for who in sorted(notifiers):
+            early = self._failed.pop((push_id, who), None)
+            if early is not None:
+                raise NoPush(f"{who}: no push: {early}")
         handle = agent.expect(push_id, blocks, have=have, src=src)
-        self._expecting[push_id] = (src, handle)
+        self._expecting[push_id] = (notifiers, handle)
         try:
             await started(handle)
             while True:  # a prefill that died before its push never sends a note

@@ -26,6 +26,7 @@ from kvstream.adapters.vllm.common import (
     Remote,
     Side,
     flat,
+    instance_id_ok,
     log,
     push_request,
 )
@@ -54,6 +55,9 @@ class SchedulerSide(Side):
         self._loading: dict[str, Remote] = {}  # decode: pull asked, not finished
         self._declined: dict[str, str] = {}    # decode: not loaded, and why (logged once)
         self._warned: set[str] = set()         # configuration warnings given (once each)
+        # Requests vLLM holds (added, not finished): with the blocks in use, the load each
+        # rank announces for KV-aware routers (``Agent.report_load``).
+        self._live: set[str] = set()
 
     def _remote(self, params: dict[str, Any]) -> Remote | None:
         """Where complete prefill params say the prompt's KV is held, else None."""
@@ -77,11 +81,13 @@ class SchedulerSide(Side):
         # Decode-first (the proxy sent both legs at once): the prefill pushes into the blocks
         # allocated here, under the proxy's push id, and offers it too for a pull if not.
         push = params.get("transfer_mode") == "push" and ours.get("push") is True
+        by = ours.get("by", "")
         return Remote(instance=str(params["remote_engine_id"]),
                       request_id=str(params["remote_request_id"]),
                       secret=secret if isinstance(secret, str) else "",
                       tp_size=tp_size, block_size=block_size,
-                      device=device if isinstance(device, str) else "", push=push)
+                      device=device if isinstance(device, str) else "", push=push,
+                      by=by if push and isinstance(by, str) and instance_id_ok(by) else "")
 
     def _unequal(self, remote: Remote) -> str:
         """How the prefill's KV blocks differ from this engine's, as its params tell ("": not)."""
@@ -154,6 +160,7 @@ class SchedulerSide(Side):
         return (count, True) if count > 0 else (0, False)
 
     def on_new_request(self, request: Request) -> None:
+        self._live.add(request.request_id)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and (remote := self._remote(params)) \
                 and not remote.push:  # a push's offer is made when the prefill computes it
@@ -247,8 +254,19 @@ class SchedulerSide(Side):
                 push_to=push[0] if push else "")
             self._offered[rid] = (push[1] if push else rid, secret)
             del self._producing[rid]
+        self._meta.load = (len(self._live), self._blocks_in_use())
         meta, self._meta = self._meta, KVStreamMetadata()
         return meta
+
+    def _blocks_in_use(self) -> int:
+        """vLLM's KV blocks not free (held by requests; cached blocks nobody holds are
+        free to vLLM; its null block is never free), 0 when its block pool does not say."""
+        pool = getattr(self._kv_cache_manager, "block_pool", None)
+        try:
+            total = int(pool.num_gpu_blocks) - 1  # type: ignore[union-attr]  # the null block
+            return max(0, total - int(pool.get_num_free_blocks()))  # type: ignore[union-attr]
+        except (AttributeError, TypeError, ValueError):
+            return 0
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
@@ -262,6 +280,7 @@ class SchedulerSide(Side):
 
         rid = request.request_id
         params = request.kv_transfer_params or {}
+        self._live.discard(rid)
         self._producing.pop(rid, None)
         # decode side
         self._declined.pop(rid, None)

@@ -33,6 +33,7 @@ from kvstream.adapters.vllm.common import (
     Side,
     log,
 )
+from kvstream.adapters.vllm.load import LoadReport
 from kvstream.adapters.vllm.push import (
     DecodePushes,
     NoPush,
@@ -92,6 +93,7 @@ class WorkerSide(Side):
         self._step: list[str] = []
         self._layer_of: dict[str, int] = {}
         self._incoming: DecodePushes | None = None  # the decode's awaited pushes (push.py)
+        self._load: LoadReport | None = None  # the load announced for routers (load.py)
 
     def _tp_share(self, layout: KVLayout) -> TpInfo:
         """This rank's TP share as the engine announces it (which model heads it holds)."""
@@ -144,6 +146,8 @@ class WorkerSide(Side):
         self._runtime = rt = AgentRuntime(self._agent_config(), layout, layers)
         self._pushes = PrefillPushes(rt, self._tp_rank, self._tp_size, layout, self._events)
         self._incoming = DecodePushes(rt)
+        self._load = LoadReport(rt)
+        rt.spawn(self._load.watch)
         rt.call(self._listen)
         if self._tp_rank == 0:
             self._bridge_kv_events()
@@ -218,6 +222,8 @@ class WorkerSide(Side):
                             "connector; vLLM %s", rid, self._on_load_failure())
                 self._results.put(("recv", rid, False, job.blocks[job.local:]))
             return
+        if self._load is not None:
+            self._load.begin(meta.load)
         for remote in meta.keep.values():
             for src in self._owned(remote):
                 rt.spawn(self._keep, src, remote.request_id, remote.secret)
@@ -308,6 +314,8 @@ class WorkerSide(Side):
 
     def wait_for_save(self, meta: KVStreamMetadata | None) -> None:
         step, self._step = self._step, []
+        if self._load is not None:
+            self._load.end()
         if meta is None or not (meta.offer or meta.abort_offer):
             return
         rt = self._rt()
@@ -391,7 +399,7 @@ class WorkerSide(Side):
         rrid, sources = remote.request_id, self._sources(remote)
         src = ",".join(sources)
         res: TransferResult | None = None
-        why, let_go, via = "", False, "pull"
+        why, let_go, via, push_why = "", False, "pull", ""
         try:
             if agent is None:
                 raise AdapterError("agent closed")
@@ -413,7 +421,7 @@ class WorkerSide(Side):
                     if res.ok:  # the prefill keeps its offer until told
                         await self._release(sources[0], rrid, "pushed", remote.secret)
                     raise _Done
-                via = "push, then pull"
+                via, push_why = "push, then pull", failed
                 log.info("kvstream load %s: the push from %s failed (%s): pulling its offer",
                          rid, src, failed)
                 res = None
@@ -474,7 +482,7 @@ class WorkerSide(Side):
                      "" if via == "pull" else f", {via}", len(blocks) - local, local,
                      res.bytes, res.seconds * 1e3, res.codec)
         self._events("pull_ended", request_id=rid, src=src, remote_request_id=rrid, ok=ok, via=via,
-                     reason=why, bytes=res.bytes if res else 0,
+                     reason=why, push_reason=push_why, bytes=res.bytes if res else 0,
                      skipped=res.bytes_skipped if res else 0, codec=res.codec if res else "",
                      seconds=res.seconds if res else 0.0, blocks=len(blocks), local_blocks=local,
                      sources=sources, tokens=job.tokens)
@@ -491,7 +499,7 @@ class WorkerSide(Side):
                 await handle.abort("the decode request ended")
 
         return await self._incoming.take(agent, job.remote.request_id, job.blocks, job.have,
-                                         src, started)
+                                         src, started, by=job.remote.by)
 
     def _on_load_failure(self) -> str:
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute":
