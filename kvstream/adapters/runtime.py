@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
@@ -39,7 +39,10 @@ class AgentRuntime:
     """Starts an agent with the engine's KV registered; ``close()`` stops it."""
 
     def __init__(self, config: AgentConfig, layout: KVLayout, layers: Sequence[torch.Tensor], *,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0,
+                 notes: Mapping[str, Callable[[str, bytes], None]] | None = None) -> None:
+        """``notes``: handlers of adapters' notes by topic, in place before the agent
+        announces itself (a peer that sees the announcement may send one at once)."""
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._stop: anyio.Event | None = None
@@ -53,8 +56,10 @@ class AgentRuntime:
             self._loop_thread = threading.get_ident()
             try:
                 # Tasks started on the loop (``spawn`` from there) end before the loop does.
-                async with anyio.create_task_group() as tg, \
-                        Agent(config, layout=layout, kv_caches=layers) as agent:
+                first = Agent(config, layout=layout, kv_caches=layers)
+                for topic, handler in (notes or {}).items():
+                    first.on_note(topic, handler)
+                async with anyio.create_task_group() as tg, first as agent:
                     self._tg = tg
                     ready.set_result(agent)
                     await self._stop.wait()
@@ -102,6 +107,38 @@ class AgentRuntime:
             self._tg.start_soon(guarded)
             return None
         return self.portal.start_task_soon(fn, *args)
+
+    def add(self, config: AgentConfig, layout: KVLayout, layers: Sequence[torch.Tensor], *,
+            start_timeout_s: float = 30.0) -> Agent:
+        """Another agent on this loop, for another KV memory of the same engine (SGLang's
+        side state: buffers indexed apart from its pages); it stops with the first. Its
+        failure after it started is logged, never taken to the first agent."""
+        ready: concurrent.futures.Future[Agent] = concurrent.futures.Future()
+
+        async def run() -> None:
+            stop = self._stop
+            try:
+                async with Agent(config, layout=layout, kv_caches=layers) as agent:
+                    ready.set_result(agent)
+                    if stop is not None:
+                        await stop.wait()
+            except Exception as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+                else:
+                    log.exception("kvstream agent %s failed", config.instance_id)
+
+        def start() -> None:
+            if self._tg is None or self.agent is None:
+                raise AdapterError("the agent's loop is not running")
+            self._tg.start_soon(run)
+
+        self.portal.call(start)
+        try:
+            return ready.result(timeout=start_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise AdapterError(f"the kvstream agent {config.instance_id} did not start within "
+                               f"{start_timeout_s} s") from None
 
     def on_loop(self) -> bool:
         """Is this the agent's loop thread (where ``call`` would deadlock)?"""

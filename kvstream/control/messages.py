@@ -378,6 +378,9 @@ class Route(ControlMessage, tag="kv.route", frozen=True):
         default_factory=lambda: ["prefill", "decode"])
     inflight: Annotated[dict[Text, Count], msgspec.Meta(max_length=4096)] = {}
     exclude: Annotated[list[Text], msgspec.Meta(max_length=64)] = []
+    # the most the proxy had in flight per URL lately (an announcement's age): what an
+    # engine announces beyond it is other proxies' (absent: its count now)
+    recent: Annotated[dict[Text, Count], msgspec.Meta(max_length=4096)] = {}
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):

@@ -81,6 +81,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"port {self.port} is not a TCP port")
         if self.proxy_id:
             Subjects.check_instance_id(self.proxy_id)
+            if len(self.proxy_id) > 128:  # engines take at most that from the push params
+                raise ConfigError(f"proxy_id is at most 128 characters, not "
+                                  f"{len(self.proxy_id)}")
         for name in ("peer_timeout_s", "connect_timeout_s", "prefill_timeout_s",
                      "decode_read_timeout_s", "abort_timeout_s", "route_timeout_s"):
             if getattr(self, name) <= 0:

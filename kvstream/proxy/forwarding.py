@@ -20,6 +20,7 @@ from kvstream._exceptions import ConfigError, ProxyError
 from kvstream.control.aborts import release_offer
 from kvstream.control.bus import ControlBus
 from kvstream.proxy.config import ROUTE_HEADER, ProxyConfig, prefill_body
+from kvstream.proxy.inflight import Inflight
 from kvstream.proxy.push import PushPlan, prefill_push
 from kvstream.routing.directory import Directory, Instance, LegRole, pick
 
@@ -61,7 +62,7 @@ class Legs:
     directory: Directory
     _bus: ControlBus | None
     _session: aiohttp.ClientSession | None
-    _inflight: Counter[str]
+    _inflight: Inflight
     _turn: Counter[str]
     _counts: Counter[str]
 

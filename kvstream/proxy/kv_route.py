@@ -73,7 +73,9 @@ def block_sizes(directory: Directory) -> list[int]:
 
 
 def route_request(tokens: list[int], sizes: list[int], inflight: Mapping[str, int],
-                  request_id: str) -> m.Route:
+                  request_id: str, recent: Mapping[str, int] | None = None) -> m.Route:
+    """``recent``: the most legs in flight per URL lately (``inflight.py``)."""
     hashes = {size: block_hashes(tokens, size)[:m.MAX_ROUTE_BLOCKS] for size in sizes}
     return m.Route(request_id=request_id[:1024], hashes=hashes, tokens=len(tokens),
-                   inflight={u: n for u, n in list(inflight.items())[:4096] if n > 0})
+                   inflight={u: n for u, n in list(inflight.items())[:4096] if n > 0},
+                   recent=dict(list((recent or {}).items())[:4096]))

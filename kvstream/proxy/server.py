@@ -32,6 +32,7 @@ from kvstream.proxy.config import (
     decode_only_body,
 )
 from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
+from kvstream.proxy.inflight import Inflight
 from kvstream.proxy.kv_route import block_sizes, prompt_tokens, route_request
 from kvstream.proxy.push import PushPlan, decode_params, note_failed, push_plan
 from kvstream.routing.directory import Directory, Instance, LegRole
@@ -75,7 +76,7 @@ class Proxy(Legs):
         self._bus: ControlBus | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stack = contextlib.AsyncExitStack()
-        self._inflight: Counter[str] = Counter()
+        self._inflight = Inflight()
         self._turn: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
         self._degraded = False  # serving decode-only because no prefill instance is live
@@ -267,7 +268,7 @@ class Proxy(Legs):
             if tokens is None:
                 return self._unrouted(span, "the prompt's tokens are unknown")
             req = route_request(tokens, block_sizes(self.directory), self._inflight,
-                                headers["X-Request-Id"])
+                                headers["X-Request-Id"], self._inflight.peaks())
             try:
                 reply = await self._bus.request(self._subjects.route, req,
                                                 timeout=cfg.route_timeout_s)

@@ -76,6 +76,15 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     instances: int  # instances with a view
 
 
+def engine_load(announced: list[int], own: int, recent: int) -> float:
+    """The requests an engine serves, as one proxy asks: its own there now, plus what the
+    engine announced (as of its last heartbeat: all proxies') beyond the most this proxy
+    had there lately (``proxy/inflight.py``). Without ``recent`` (an older proxy), the
+    larger of the two."""
+    ann = max(announced, default=0)
+    return float(own + max(0, ann - max(own, recent)))
+
+
 def decide(directory: Directory, index: PrefixIndex, req: m.Route, role: m.LegRole, *,
            load_weight: float, turn: int = 0) -> m.Decision | None:
     """Where ``role``'s leg of ``req`` goes (pure but for the directory's clock)."""
@@ -90,7 +99,8 @@ def decide(directory: Directory, index: PrefixIndex, req: m.Route, role: m.LegRo
         hashes = req.hashes.get(size, []) if size else []
         blocks = len(hashes) if hashes else (-(-req.tokens // size) if size else 0)
         overlap = max((index.overlap(i, hashes) for i in inst.instance_ids), default=0)
-        load = max([float(a.requests) for a in anns] + [float(req.inflight.get(inst.url, 0))])
+        load = engine_load([a.requests for a in anns], req.inflight.get(inst.url, 0),
+                           req.recent.get(inst.url, 0))
         cands.append(Candidate(url=inst.url, instance_ids=inst.instance_ids, blocks=blocks,
                                overlap=overlap, load=load,
                                kv_used=max((a.kv_used for a in anns), default=0)))

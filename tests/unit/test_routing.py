@@ -83,6 +83,29 @@ def test_the_cost_weighs_missing_blocks_against_load_and_ties_go_round_robin():
     assert choose([]) is None
 
 
+def test_an_engines_load_is_the_proxys_own_plus_what_others_send_it():
+    """The announcement counts every proxy's requests as of its last heartbeat: only what
+    it holds beyond the most this proxy had there lately is another proxy's. A next turn
+    sent as the last one ended is not priced against its own last turn, still announced."""
+    from kvstream.proxy.inflight import Inflight
+    from kvstream.routing.service import engine_load
+
+    assert engine_load([1], own=0, recent=1) == 0.0  # our own turn, announced late
+    assert engine_load([3], own=0, recent=1) == 2.0  # two of another proxy's
+    assert engine_load([3, 5], own=1, recent=2) == 4.0  # the busiest rank counts
+    assert engine_load([], own=2, recent=0) == 2.0
+    assert engine_load([4], own=1, recent=0) == 4.0  # an older proxy: the larger
+    now = [0.0]
+    inflight = Inflight(window_s=3.0, clock=lambda: now[0])
+    inflight["a"] += 1
+    inflight["a"] += 1
+    inflight["a"] -= 2
+    assert inflight["a"] == 0 and inflight.recent("a") == 2 and inflight.peaks() == {"a": 2}
+    now[0] = 3.5
+    assert inflight.recent("a") == 0 and inflight.peaks() == {}
+    assert inflight.recent("never") == 0
+
+
 def test_kv_event_and_route_messages_are_bounded():
     with pytest.raises(MessageDecodeError):
         m.decode(m.encode(m.KVEvents(instance_id="a", epoch="short", seq=1, block_size=16)))

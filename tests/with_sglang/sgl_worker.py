@@ -62,6 +62,53 @@ class Model:
                 for _ in range(n)]
 
 
+SLOTS = 6  # Mamba state slots per layer buffer
+SCALE = 16  # bytes of block scales per page
+
+
+class State:
+    """Side state as SGLang lists it: a Mamba component (two conv and two temporal
+    buffers of other item sizes, and a layer without state: no bytes), one slot per
+    request; a block-scale component (K and V scales), one item per KV page."""
+
+    KINDS = ("mamba", "block_scale")
+
+    def __init__(self) -> None:
+        self.bufs = [[torch.zeros(SLOTS, n, dtype=torch.uint8) for n in (48, 48, 80, 80)],
+                     [torch.zeros(SIZE // PAGE + 1, SCALE, dtype=torch.uint8)
+                      for _ in range(2)]]
+
+    def fill(self, args: object) -> None:
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        args.state_types = [StateType(k) for k in self.KINDS]
+        args.state_data_ptrs = [[t.data_ptr() for t in c] for c in self.bufs]
+        args.state_data_lens = [[t.nbytes for t in c] for c in self.bufs]
+        args.state_item_lens = [[t[0].nbytes for t in c] for c in self.bufs]
+        args.state_data_ptrs[0].insert(2, 0)  # a layer without Mamba state
+        args.state_data_lens[0].insert(2, 0)
+        args.state_item_lens[0].insert(2, 0)
+
+    @staticmethod
+    def item(room: int, comp: int, buf: int, k: int, n: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((room * 977 + comp * 31 + buf * 7 + k) % (1 << 62))
+        return torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+
+    def indices(self, slot: int, pages: list[int]) -> list[object]:
+        return [[np.array(slot, dtype=np.int64)], np.array(pages, dtype=np.int32)]
+
+    def write(self, room: int, slot: int, pages: list[int]) -> None:
+        for comp, idx in enumerate(([slot], pages)):
+            for b, t in enumerate(self.bufs[comp]):
+                for k, i in enumerate(idx):
+                    t[i] = self.item(room, comp, b, k, t.shape[1])
+
+    def exact(self, room: int, slot: int, pages: list[int]) -> bool:
+        return all(torch.equal(t[i], self.item(room, comp, b, k, t.shape[1]))
+                   for comp, idx in enumerate(([slot], pages))
+                   for b, t in enumerate(self.bufs[comp]) for k, i in enumerate(idx))
+
+
 def kv_args(role: str, bufs: list[torch.Tensor], meta: object, rank: int,
             model: Model, heads_told: bool) -> object:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -117,6 +164,7 @@ def main() -> None:
     cli.add_argument("--mla", action="store_true")
     cli.add_argument("--draft", action="store_true")
     cli.add_argument("--model-dir")
+    cli.add_argument("--state", action="store_true")
     a = cli.parse_args()
     role, scenario, port, out = a.role, a.scenario, int(a.port), a.out
     rooms = [int(r) for r in a.rooms.split(",")]
@@ -140,6 +188,9 @@ def main() -> None:
                            max_sampling_mask_tokens=16)
     args = kv_args(role, bufs, meta, a.rank, model,
                    heads_told=role == "prefill" or a.model_dir is None)
+    state = State() if a.state else None
+    if state is not None:
+        state.fill(args)
     sargs = server_args(role, a.tp, port, a.model_dir if role == "decode" else None)
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sargs, a.mla)
@@ -160,6 +211,10 @@ def main() -> None:
             first = until(sender.poll, {KVPoll.WaitingForInput, KVPoll.Failed})
             if first == KVPoll.Failed:
                 polls[str(room)] = ["bootstrap", int(first)]
+                try:
+                    sender.failure_exception()
+                except Exception as exc:  # SGLang logs it
+                    polls[str(room)].append(str(exc))
                 continue
             aux_index = 3 + i
             sender.init(npages, aux_index)
@@ -175,10 +230,14 @@ def main() -> None:
                                      )[:TOKENS]
             pages = kv_to_page_indices(token_ids, PAGE).astype(np.int32)
             assert list(pages) == page_ids
+            last_state: object = []
+            if state is not None:  # with the last chunk, as SGLang passes it
+                state.write(room, 1 + i, page_ids)
+                last_state = state.indices(1 + i, page_ids)
             if sender.should_send_kv_chunk(2, False):
                 sender.send(pages[:2], None, num_kv_tokens=2 * PAGE)
             assert sender.should_send_kv_chunk(len(pages) - 2, True)
-            sender.send(pages[2:], [], num_kv_tokens=TOKENS - 2 * PAGE)
+            sender.send(pages[2:], last_state, num_kv_tokens=TOKENS - 2 * PAGE)
             final = until(sender.poll, {KVPoll.Success, KVPoll.Failed})
             metric = sender.get_transfer_metric()
             polls[str(room)] = [int(first), int(final), metric.transfer_total_bytes]
@@ -215,7 +274,9 @@ def main() -> None:
             assert int(rx.poll()) == KVPoll.WaitingForInput
             aux_index = 10 + i
             page_ids = [20 + 2 * j + i for j in range(npages)]
-            rx.send_metadata(np.array(page_ids, dtype=np.int32), aux_index, None,
+            slot = SLOTS - 1 - i
+            rx.send_metadata(np.array(page_ids, dtype=np.int32), aux_index,
+                             state.indices(slot, page_ids) if state is not None else None,
                              decode_prefix_len=0)
             t0 = time.monotonic()
             if scenario == "abort_decode":
@@ -234,6 +295,8 @@ def main() -> None:
             aux = [int(meta.output_ids[aux_index, 0]), int(meta.cached_tokens[aux_index, 0]),
                    int(meta.bootstrap_room[aux_index, 0])]
             polls[str(room)] = [final, exact, aux, round(took, 2)]
+            if state is not None:
+                report.setdefault("state", {})[str(room)] = state.exact(room, slot, page_ids)
             if final == KVPoll.Failed:
                 try:
                     rx.failure_exception()

@@ -79,7 +79,8 @@ def test_the_plugin_makes_kvstream_a_backend_choice():
 def _run(tmp_path: Path, nats_url: str, scenario: str, rooms: list[int], port: int,
          kill_after_first: bool = False, prefill_tp: int = 1, decode_tp: int = 1,
          mla: bool = False, model_dir: Path | None = None,
-         draft: bool = False) -> tuple[list[dict], list[dict]]:
+         draft: bool = False, state: tuple[bool, bool] = (False, False)
+         ) -> tuple[list[dict], list[dict]]:
     """Every rank of a prefill and a decode engine, one process each; their reports."""
     cmd = [sys.executable, "-m", "tests.with_sglang.sgl_worker"]
     roomlist = ",".join(map(str, rooms))
@@ -90,6 +91,7 @@ def _run(tmp_path: Path, nats_url: str, scenario: str, rooms: list[int], port: i
             out = outs[role, rank] = tmp_path / f"{scenario}-{role}{rank}.json"
             extra = ["--rank", str(rank), "--tp", str(tp)] + (["--mla"] if mla else []) + (
                 ["--draft"] if draft else []) + (
+                ["--state"] if state[role == "decode"] else []) + (
                 ["--model-dir", str(model_dir)] if model_dir is not None else [])
             procs[role, rank] = subprocess.Popen(
                 [*cmd, role, scenario, str(port), roomlist, str(out), *extra],
@@ -217,3 +219,25 @@ def test_a_want_kept_for_a_request_still_counts_after_its_decode_left(tmp_path, 
     for rank in (0, 1):
         for room in rooms:
             assert pre[rank]["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, pre)
+
+
+def test_side_state_moves_with_the_pages(tmp_path, nats_url):
+    """SGLang's side state (``KVArgs.state_*``): a Mamba component (conv and temporal
+    buffers of other item sizes, one slot per request, a layer without state) and block
+    scales (one item per page) move item for item into the decode's own slots and pages,
+    and the decode succeeds only once they and the pages landed. A decode with side state
+    and a prefill without fail on both sides, the prefill saying why."""
+    rooms = [8_000_001, 8_000_002]
+    (pre,), (dec,) = _run(tmp_path, nats_url, "ok", rooms, 19300, state=(True, True))
+    for room in rooms:
+        assert pre["polls"][str(room)][:2] == [WAITING, SUCCESS], pre
+        got, exact, aux, _ = dec["polls"][str(room)]
+        assert got == SUCCESS and exact and aux == [room % 1000, 11, room], dec
+        assert dec["state"][str(room)] is True, dec
+    (tmp_path / "mixed").mkdir()
+    (pre,), (dec,) = _run(tmp_path / "mixed", nats_url, "ok", rooms[:1], 19301,
+                          state=(False, True))
+    assert dec["polls"][str(rooms[0])][:2] == [FAILED, False], dec
+    assert pre["polls"][str(rooms[0])][:2] == ["bootstrap", FAILED], pre
+    assert "side state ['mamba', 'block_scale'] at the decode" in pre["polls"][str(rooms[0])][2]
+    # The decode hears the prefill's Drop, or sees it leave first (it exits right after).

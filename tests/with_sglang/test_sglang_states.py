@@ -48,6 +48,7 @@ class _Mgr:
             tp_size=1, dp_size=1, mla=False, page_size=16, total_kv_heads=2)}
         self.device = "cpu"
         self.opaque, self.total_kv_heads, self.is_mla = None, 2, False
+        self.side = None
         self.kv_dtype, self.page_size = "auto/auto", 16
         self.keys: dict = {}  # instance -> the key it announced (default K)
         self.tps: dict = {}  # instance -> the (rank, size) it announced
@@ -240,3 +241,28 @@ def test_notes_are_checked_against_the_senders_announcement_and_key():
     s.heard("dec9", notes.Want(room=24, pages=2, tp_rank=1, tp_size=2, readers=2), K)
     s.heard("dec9", notes.Drop(room=24, tp_rank=1, tp_size=2), K)
     assert mgr.dropped == 4 and list(s.wants) == ["dec1"] and s.failure is None
+
+
+def test_notes_before_the_manager_is_whole_are_held_then_heard_in_order():
+    """A decode asks as soon as it sees the prefill's announcement, which comes before the
+    manager has started its side-state agents: such notes are held, then heard in order."""
+    import types
+
+    from kvstream.adapters.sglang.manager import KVStreamKVManager, _dispatch
+
+    heard: list = []
+    mgr = types.SimpleNamespace(
+        _held=[], dropped=0,
+        on_want=lambda s, n: heard.append(("want", s, n.room)),
+        on_ready=lambda s, n: heard.append(("ready", s, n.room)),
+        on_drop=lambda s, n: heard.append(("drop", s, n.room)))
+    handlers = _dispatch(mgr)
+    handlers[notes.WANT]("dec", notes.encode(notes.Want(room=1, pages=1)))
+    handlers[notes.DROP]("dec", notes.encode(notes.Drop(room=1)))
+    handlers[notes.WANT]("dec", b"garbage")
+    assert heard == [] and len(mgr._held) == 3
+    KVStreamKVManager._hear_held(mgr)
+    assert heard == [("want", "dec", 1), ("drop", "dec", 1)] and mgr.dropped == 1
+    assert mgr._held is None
+    handlers[notes.WANT]("dec", notes.encode(notes.Want(room=2, pages=1)))
+    assert heard[-1] == ("want", "dec", 2)

@@ -169,3 +169,16 @@ def test_the_load_is_announced_each_step_and_zero_once_vllm_idles():
     report.begin(None)  # a step without a load said: nothing to announce
     report.begin((1, 3))
     assert loads == [(2, 7), (0, 0), (1, 3)]
+
+
+def test_early_failed_notes_are_bounded_per_sender():
+    """A signed peer that floods "failed" notes for push ids nobody expects yet fills only
+    its own share: the proxy's note for a real push is still kept, and counts."""
+    from kvstream.adapters.vllm.push import MAX_EARLY_PER_SENDER
+
+    pushes = DecodePushes(_Rt(None))
+    for i in range(MAX_EARLY_PER_SENDER + 50):
+        pushes.on_failed("flooder", PushNote(push_id=f"push-{i:016d}", state="failed"))
+    pushes.on_failed("proxy-1", PushNote(push_id=PID, state="failed", reason="P leg: 502"))
+    assert len(pushes._failed) == MAX_EARLY_PER_SENDER + 1
+    assert pushes._failed[PID, "proxy-1"] == "P leg: 502"

@@ -23,6 +23,7 @@ from kvstream._exceptions import AdapterError, KVStreamError
 from kvstream.adapters.runtime import AgentRuntime
 from kvstream.adapters.sglang import notes
 from kvstream.adapters.sglang.memory import AuxRows, kv_buffers, kvs_layout
+from kvstream.adapters.sglang.state import SideState, side_groups
 from kvstream.config import AgentConfig
 from kvstream.control.auth import NatsAuth
 from kvstream.transfer import ranks
@@ -143,9 +144,6 @@ class KVStreamKVManager(BaseKVManager):
         self.is_mla = bool(is_mla_backend)
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
-        if getattr(args, "state_types", None):
-            raise AdapterError(f"kvstream's SGLang backend does not move side state "
-                               f"({list(args.state_types)}) yet")
         for knob in ("pp_size", "dp_size", "attn_cp_size"):
             if int(getattr(server_args, knob, 1) or 1) != 1:
                 raise AdapterError(f"kvstream's SGLang backend runs one pipeline stage and one "
@@ -177,6 +175,8 @@ class KVStreamKVManager(BaseKVManager):
                              self.device, int(getattr(args, "gpu_id", 0) or 0))
         self.aux = AuxRows(list(args.aux_data_ptrs), list(args.aux_data_lens),
                            list(args.aux_item_lens))
+        # Side state (Mamba, SWA, block scales, ...): refused by kind before anything starts
+        kinds, groups = side_groups(args, self.device, int(getattr(args, "gpu_id", 0) or 0))
         if self.role == "prefill":
             host = os.environ.get("KVSTREAM_SGLANG_HOST") or str(
                 getattr(server_args, "host", "") or "")
@@ -211,10 +211,19 @@ class KVStreamKVManager(BaseKVManager):
         self._early: OrderedDict[int, list[Early]] = OrderedDict()
         self._early_count = 0
         self.dropped = 0  # notes ignored: garbage, unknown rooms, a peer not the request's
-        self.rt = AgentRuntime(config, layout, tensors)
-        _dispatch(self)
-        log.info("kvstream SGLang backend: %s %s, %s", self.role, self.instance,
-                 layout.describe())
+        # Notes are heard from the moment the agent announces itself (a decode that sees
+        # it asks at once), and held until this manager is whole, then handled in order.
+        self._held: list[tuple[str, str, bytes]] | None = []
+        self.rt = AgentRuntime(config, layout, tensors, notes=_dispatch(self))
+        self.side: SideState | None = None
+        try:
+            self.side = SideState(self.rt, config, kinds, groups) if kinds else None
+        except BaseException:
+            self.rt.close()
+            raise
+        self.rt.call(self._hear_held)
+        log.info("kvstream SGLang backend: %s %s, %s%s", self.role, self.instance,
+                 layout.describe(), f"; side state {self.side.describe()}" if self.side else "")
 
     @property
     def agent(self) -> Any:
@@ -249,7 +258,8 @@ class KVStreamKVManager(BaseKVManager):
                      first)
             return False
         # Every rank: a rank this one reads must be announced before its Ready (a pull
-        # plans from its layout).
+        # plans from its layout). Its side-state agents are waited for at the pull: a
+        # prefill without side state must be told so (its Drop), not waited for.
         size = ann.tp.size if ann.tp else 1
         for rank in range(1, min(size, ranks.MAX_TP)):
             other = instance_for(bootstrap_addr, rank)
@@ -336,6 +346,13 @@ class KVStreamKVManager(BaseKVManager):
             return
         r.dropped(sender, drop.reason)
 
+    def _hear_held(self) -> None:
+        """On the agent's loop, once the manager is whole: the notes that came first."""
+        held, self._held = self._held or [], None
+        handlers = _dispatch(self)
+        for topic, sender, body in held:
+            handlers[topic](sender, body)
+
     def claim_early(self, room: int) -> list[Early]:
         with self._lock:
             got = self._early.pop(room, [])
@@ -356,10 +373,17 @@ class KVStreamKVManager(BaseKVManager):
         self.rt.spawn(send)
 
 
-def _dispatch(mgr: KVStreamKVManager) -> None:
+def _dispatch(mgr: KVStreamKVManager) -> dict[str, Any]:
     """Per-topic handlers that decode the body first (a peer's garbage is dropped)."""
     def handler(topic: str) -> Any:
         def on(sender: str, body: bytes) -> None:
+            held = mgr._held
+            if held is not None:  # the manager is still starting (on the agent's loop too)
+                if len(held) < MAX_EARLY_NOTES:
+                    held.append((topic, sender, body))
+                else:
+                    mgr.dropped += 1
+                return
             note = notes.decode(topic, body)
             if note is None:
                 mgr.dropped += 1
@@ -371,5 +395,4 @@ def _dispatch(mgr: KVStreamKVManager) -> None:
                 mgr.on_drop(sender, note)
         return on
 
-    for topic in (notes.WANT, notes.READY, notes.DROP):
-        mgr.rt.call(mgr.agent.on_note, topic, handler(topic))
+    return {topic: handler(topic) for topic in (notes.WANT, notes.READY, notes.DROP)}

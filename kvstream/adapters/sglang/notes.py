@@ -29,6 +29,8 @@ Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
 
 
 Tp = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+Kind = Annotated[str, msgspec.Meta(max_length=32)]
+Secret = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 class Want(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +46,9 @@ class Want(msgspec.Struct, frozen=True, kw_only=True):
     readers: Tp = 1  # decode ranks reading this prefill rank (each its heads)
     read: bool = True
     kv_dtype: Annotated[str, msgspec.Meta(max_length=64)] = ""  # SGLang's KV cache dtype
+    # Side state (``state.py``): the decode's components and its item count of each
+    state_kinds: Annotated[list[Kind], msgspec.Meta(max_length=16)] = []
+    state: Annotated[list[Small], msgspec.Meta(max_length=16)] = []
 
 
 class Ready(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +60,10 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
     pages: Small
     aux: Annotated[list[bytes], msgspec.Meta(max_length=64)] = []
+    # Side state: each group's offer secret ("": nothing of it moves), and how many items
+    # of each component move
+    state_secrets: Annotated[list[Secret], msgspec.Meta(max_length=64)] = []
+    state: Annotated[list[Small], msgspec.Meta(max_length=16)] = []
 
 
 class Drop(msgspec.Struct, frozen=True, kw_only=True):

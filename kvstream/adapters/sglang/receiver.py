@@ -20,6 +20,7 @@ from kvstream._exceptions import AdapterError, KVStreamError
 from kvstream.adapters.sglang import notes
 from kvstream.adapters.sglang.manager import KVStreamKVManager, instance_for
 from kvstream.adapters.sglang.side import Side, rid
+from kvstream.adapters.sglang.state import group_instance, state_lists
 from kvstream.transfer import ranks
 
 __all__ = ["KVStreamKVReceiver"]
@@ -47,6 +48,8 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         self.ready: notes.Ready | None = None  # the first source's, once all answered
         self.handle: Any = None
         self.result: Any = None
+        self.state: list[list[int]] = []  # side state: this request's items per component
+        self.state_handles: list[Any] = []  # their pulls, one per group with items
         self._starting: anyio.Event | None = None
         with mgr._lock:
             mgr.receivers[self.room] = self
@@ -71,6 +74,9 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         elif tp != mgr.tp_size and mgr.opaque is not None:
             why = (f"prefill TP {tp}, decode TP {mgr.tp_size}, and {mgr.opaque}: its pages "
                    "move only between equal TP degrees")
+        elif mgr.side is not None and tp != mgr.tp_size:
+            why = (f"side state ({', '.join(mgr.side.kinds)}) moves only between equal TP "
+                   f"degrees: prefill TP {tp}, decode TP {mgr.tp_size}")
         elif not mgr.is_mla:
             why = ranks.refusal(tp, mgr.tp_size, total)
         self.prefill_tp = tp
@@ -93,10 +99,13 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
                       **_: Any) -> None:
         if self.failure is not None:
             return
-        if state_indices:
-            self.fail("side state (state_indices) is not moved by kvstream yet")
-            return
         mgr = self.kv_mgr
+        side = mgr.side
+        try:
+            self.state = state_lists(state_indices, len(side.kinds) if side else 0)
+        except AdapterError as exc:
+            self.fail(str(exc))
+            return
         self.pages = [int(i) for i in kv_indices]
         self.aux_index = aux_index
         self.sent_at = time.monotonic()
@@ -104,7 +113,9 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
             mgr.send_note(peer, notes.Want(
                 room=self.room, pages=len(self.pages), prefix_len=int(decode_prefix_len or 0),
                 tp_rank=mgr.rank, tp_size=mgr.tp_size, read=read,
-                readers=self.readers if read else 1, kv_dtype=mgr.kv_dtype))
+                readers=self.readers if read else 1, kv_dtype=mgr.kv_dtype,
+                state_kinds=side.kinds if side else [],
+                state=[len(idx) for idx in self.state]))
 
     def readied(self, sender: str, ready: notes.Ready) -> None:
         """On the agent's loop: a prefill rank read offered its pages; pull once all did."""
@@ -114,43 +125,90 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         if ready.pages != len(self.pages):
             self.fail(f"{sender} offers {ready.pages} pages for {len(self.pages)} allocated")
             return
+        why = self._state_refusal(ready)
+        if why:
+            self.fail(f"{sender}: {why}")
+            return
         self.readys[sender] = ready
         if len(self.readys) < len(self.srcs):
             return
         self.ready = self.readys[self.srcs[0]]  # every rank wrote the same aux row
-        if ready.pages:
+        if ready.pages or any(ready.state_secrets):
             self._starting = anyio.Event()
             self.kv_mgr.rt.spawn(self._pull)
+
+    def _state_refusal(self, ready: notes.Ready) -> str:
+        """Why a Ready's side state does not fit this request ("": it does): a secret per
+        group, an item count per component, none above what was allocated here."""
+        side = self.kv_mgr.side
+        if side is None:
+            return "side state offered to a decode without any" if (
+                ready.state_secrets or any(ready.state)) else ""
+        if len(ready.state_secrets) != len(side.groups) or len(ready.state) != len(self.state):
+            return (f"side state of {len(ready.state_secrets)} groups, {len(ready.state)} "
+                    f"components for {len(side.groups)}, {len(self.state)} here")
+        for grp, secret in zip(side.groups, ready.state_secrets, strict=True):
+            n = ready.state[grp.component]
+            if n > len(self.state[grp.component]) or bool(secret) != bool(n):
+                return (f"side state {grp.kind}: {n} items offered for "
+                        f"{len(self.state[grp.component])}")
+        return ""
 
     async def _pull(self) -> None:
         mgr = self.kv_mgr
         if self.pages is None or self._starting is None:  # readied() set them
             raise AdapterError("a pull before the prefill's Ready")
-        srcs = self.srcs
+        srcs, ready = self.srcs, self.readys[self.srcs[0]]
         try:
-            if len(srcs) == 1:
+            if not ready.pages:
+                pass  # everything was cached here: only side state moves
+            elif len(srcs) == 1:
                 self.handle = await mgr.agent.pull(
                     rid(self.room), srcs[0], self.pages, mode="eager",
-                    secret=self.readys[srcs[0]].secret, readers=self.readers)
+                    secret=ready.secret, readers=self.readers)
             else:  # a gather of heads
                 self.handle = await mgr.agent.pull(
                     rid(self.room), srcs, self.pages, mode="eager",
                     secret=[self.readys[s].secret for s in srcs])
+            await self._pull_state(srcs[0], ready)
         except KVStreamError as exc:
             self.fail(f"the pull from {','.join(srcs)} failed: {exc}")
             return
         finally:
             self._starting.set()
+        handles = [h for h in (self.handle, *self.state_handles) if h is not None]
         if self.failure is not None:  # aborted while it started
-            await self.handle.abort("the decode request was aborted")
-        res = await self.handle.result()
-        if res.ok:
-            self.result = res
+            for h in handles:
+                await h.abort("the decode request was aborted")
+        results = [await h.result() for h in handles]
+        bad = next((r for r in results if not r.ok), None)
+        if bad is None:
+            self.result = results[0] if results else True
         else:
-            self.fail(f"the pull from {','.join(srcs)} ended {res.status}: {res.reason}")
+            self.fail(f"the pull from {','.join(srcs)} ended {bad.status}: {bad.reason}")
+
+    async def _pull_state(self, src: str, ready: notes.Ready) -> None:
+        """Each side-state group's items of this request, from the source rank's agent of
+        that group (equal TP degrees: one source)."""
+        side = self.kv_mgr.side
+        if side is None:
+            return
+        for g, (grp, agent, secret) in enumerate(zip(side.groups, side.agents,
+                                                     ready.state_secrets, strict=True)):
+            if not secret:
+                continue
+            items = self.state[grp.component][:ready.state[grp.component]]
+            peer = group_instance(src, g)
+            # Started after its rank's agent: its announcement may still be on the way.
+            with anyio.move_on_after(self.kv_mgr.agent.config.peer_timeout_s):
+                while agent.registry.announced(peer) is None:
+                    await anyio.sleep(0.05)
+            self.state_handles.append(await agent.pull(
+                rid(self.room), peer, items, mode="eager", secret=secret))
 
     def _streaming(self) -> bool:
-        return self._starting is not None and (self.handle is None or not self.handle.done)
+        return self._starting is not None and (not self._starting.is_set() or any(
+            not h.done for h in (self.handle, *self.state_handles) if h is not None))
 
     async def _stop(self) -> None:
         await self._drain()
@@ -167,7 +225,8 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         if self.pages is None:
             return KVPoll.WaitingForInput
         ready = self.ready
-        if ready is not None and (self.result is not None or not ready.pages):
+        if ready is not None and (self.result is not None or not (
+                ready.pages or any(ready.state_secrets))):
             try:
                 self.kv_mgr.aux.write(int(self.aux_index if self.aux_index is not None else -1),
                                       ready.aux, self.room)
@@ -190,8 +249,9 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         """Until nothing of this request can write into its pages any more."""
         if self._starting is not None:
             await self._starting.wait()
-        if self.handle is not None and not self.handle.done:
-            await self.handle.abort("the decode request was aborted")
+        for h in (self.handle, *self.state_handles):
+            if h is not None and not h.done:
+                await h.abort("the decode request was aborted")
 
     def clear(self) -> None:
         with self.kv_mgr._lock:

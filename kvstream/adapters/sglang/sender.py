@@ -22,6 +22,7 @@ from kvstream._exceptions import AdapterError, KVStreamError
 from kvstream.adapters.sglang import notes
 from kvstream.adapters.sglang.manager import Early, KVStreamKVManager, sglang_timeout
 from kvstream.adapters.sglang.side import Side, rid
+from kvstream.adapters.sglang.state import moved_counts, state_lists
 from kvstream.transfer import ranks
 
 __all__ = ["KVStreamKVSender"]
@@ -44,6 +45,9 @@ class KVStreamKVSender(Side, BaseKVSender):
         self.ready: notes.Ready | None = None  # what every reader is told, once offered
         self.handle: Any = None
         self.result: Any = None
+        self.state: list[list[int]] = []  # side state: this request's items per component
+        self.state_handles: list[Any] = []  # their offers, one per group with items
+        self._state_left = 0  # of those, not read yet
         # SGLang's waiting timeout, read when the sender is built (as its own backends do),
         # armed at the first poll after init: SGLang stops polling while it computes.
         self.waiting_timeout = sglang_timeout("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
@@ -137,6 +141,12 @@ class KVStreamKVSender(Side, BaseKVSender):
             elif want.kv_dtype and want.kv_dtype != mgr.kv_dtype:
                 why = (f"the decode's KV cache dtype/model dtype is {want.kv_dtype}, this "
                        f"prefill's {mgr.kv_dtype}: the bytes would mean other values")
+            elif want.state_kinds != (mgr.side.kinds if mgr.side is not None else []):
+                why = (f"side state {want.state_kinds or 'none'} at the decode, "
+                       f"{mgr.side.kinds if mgr.side is not None else 'none'} here")
+            elif mgr.side is not None and want.tp_size != mgr.tp_size:
+                why = (f"side state moves only between equal TP degrees (decode TP "
+                       f"{want.tp_size}, prefill TP {mgr.tp_size})")
             if why is not None:
                 self.fail(why)
                 return
@@ -174,6 +184,15 @@ class KVStreamKVSender(Side, BaseKVSender):
         if len(self.pages) > self.num_pages or (state_indices is not None and not last):
             self.fail(f"{len(self.pages)} pages sent for {self.num_pages}")
         elif last:
+            side, want = self.kv_mgr.side, self.want
+            try:
+                self.state = state_lists(state_indices, len(side.kinds) if side else 0)
+                if side is not None:
+                    self.state = [idx[:n] for idx, n in zip(self.state, moved_counts(
+                        side.kinds, self.state, list(want.state)), strict=True)]
+            except AdapterError as exc:
+                self.fail(str(exc))
+                return
             self._offer()
 
     def _offer(self) -> None:
@@ -207,6 +226,7 @@ class KVStreamKVSender(Side, BaseKVSender):
         if self.failure is not None or want is None:  # dropped while SGLang computed
             return None
         handle = None
+        secrets_ = self._offer_state()
         if self.pages:
             shared = want.readers
             handle = mgr.agent.offer(rid(self.room), self.pages, mode="eager",
@@ -224,18 +244,47 @@ class KVStreamKVSender(Side, BaseKVSender):
             mgr.rt.spawn(watch)
         self.ready = notes.Ready(room=self.room, secret=handle.secret if handle is not None
                                  else secrets.token_urlsafe(16), tokens=self.tokens,
-                                 pages=len(self.pages), aux=aux)
+                                 pages=len(self.pages), aux=aux, state_secrets=secrets_,
+                                 state=[len(idx) for idx in self.state])
         for peer, w in self.wants.items():
             if w.read:
                 mgr.send_note(peer, self.ready)
         return handle
 
+    def _offer_state(self) -> list[str]:
+        """Offer each side-state group's items of this request (on the agent's loop); the
+        secrets, "" for a group with none."""
+        side, out = self.kv_mgr.side, list[str]()
+        if side is None:
+            return out
+        for grp, agent in zip(side.groups, side.agents, strict=True):
+            items = self.state[grp.component]
+            if not items:
+                out.append("")
+                continue
+            h = agent.offer(rid(self.room), items, mode="eager")
+            h.all_ready()
+            self.state_handles.append(h)
+            self._state_left += 1
+            out.append(h.secret)
+
+            async def watch(h: Any = h) -> None:
+                res = await h.result()
+                if res.ok:
+                    self._state_left -= 1
+                else:
+                    self.fail(f"the pull of the side state ended {res.status}: {res.reason}")
+
+            self.kv_mgr.rt.spawn(watch)
+        return out
+
     def _streaming(self) -> bool:
-        return self.handle is not None and not self.handle.done
+        return any(h is not None and not h.done for h in (self.handle, *self.state_handles))
 
     async def _stop(self) -> None:
-        if self.handle is not None:
-            await self.handle.abort(f"room {self.room}: {self.failure}")
+        for h in (self.handle, *self.state_handles):
+            if h is not None and not h.done:
+                await h.abort(f"room {self.room}: {self.failure}")
 
     def _retry(self) -> None:
         unknown, self._unknown = self._unknown, []
@@ -250,7 +299,7 @@ class KVStreamKVSender(Side, BaseKVSender):
         if self.failure is not None:
             before = KVPoll.WaitingForInput if self.num_pages is None else KVPoll.Transferring
             return self._failed_poll(before)
-        if self.result is not None or self._told_all():
+        if (self.result is not None or self._told_all()) and not self._state_left:
             self.conclude_state = KVPoll.Success
             return KVPoll.Success
         if self.num_pages is not None:

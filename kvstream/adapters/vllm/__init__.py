@@ -74,6 +74,7 @@ from kvstream.adapters.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -156,6 +157,12 @@ class KVStreamConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Before every forward, in both of vLLM 0.32's model runners (start_load_kv is not).
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.before_forward(self._meta())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._w().start_load_kv(self._meta())

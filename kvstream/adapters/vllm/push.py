@@ -42,12 +42,13 @@ if TYPE_CHECKING:
     from kvstream.transfer import TransferResult
     from kvstream.transfer.handles import ReceiveHandle, SendHandle
 
-__all__ = ["MAX_DECLINED", "PUSH_LIVENESS_S", "DecodePushes", "NoPush", "PrefillPushes", "PushNote",
-           "cuda_event", "decode_note", "send_note"]
+__all__ = ["MAX_DECLINED", "MAX_EARLY_PER_SENDER", "PUSH_LIVENESS_S", "DecodePushes", "NoPush",
+           "PrefillPushes", "PushNote", "cuda_event", "decode_note", "send_note"]
 
 log = logging.getLogger("kvstream.adapters.vllm")
 
 MAX_DECLINED = 4096  # push ids declined (or failed) before they were expected, oldest out first
+MAX_EARLY_PER_SENDER = 256  # of those "failed" ones, kept from any one sender
 PUSH_LIVENESS_S = 0.5  # how often a decode rank waiting for a push checks its source lives
 
 
@@ -226,6 +227,7 @@ class DecodePushes:
         # (push id, who) -> why, of "failed" notes that came before the expect (by sender:
         # one from a peer whose note does not count must not hide one that does)
         self._failed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._failed_by: collections.Counter[str] = collections.Counter()  # kept per sender
 
     def on_failed(self, sender: str, note: PushNote) -> None:
         """A "failed" note (from the source rank, or the proxy whose prefill leg failed)
@@ -233,11 +235,23 @@ class DecodePushes:
         still queues) is kept for then."""
         waiting = self._expecting.get(note.push_id)
         if waiting is None:
+            # Bounded in all and per sender: one peer's flood cannot push out the notes
+            # of the proxies and ranks whose notes count.
+            if self._failed_by[sender] >= MAX_EARLY_PER_SENDER or \
+                    (note.push_id, sender) in self._failed:
+                return
             self._failed[note.push_id, sender] = note.reason
+            self._failed_by[sender] += 1
             while len(self._failed) > MAX_DECLINED:
-                self._failed.popitem(last=False)
+                (_, who), _ = self._failed.popitem(last=False)
+                self._forget(who)
         elif sender in waiting[0] and not waiting[1].done:
             self._rt.spawn(waiting[1].abort, f"{sender}: no push: {note.reason}"[:300])
+
+    def _forget(self, sender: str) -> None:
+        self._failed_by[sender] -= 1
+        if self._failed_by[sender] <= 0:
+            del self._failed_by[sender]
 
     async def take(self, agent: Agent, push_id: str, blocks: list[int], have: Iterable[int],
                    src: str, started: Callable[[ReceiveHandle], Any], by: str = ""
@@ -252,6 +266,7 @@ class DecodePushes:
         for who in sorted(notifiers):
             early = self._failed.pop((push_id, who), None)
             if early is not None:
+                self._forget(who)
                 raise NoPush(f"{who}: no push: {early}")
         handle = agent.expect(push_id, blocks, have=have, src=src)
         self._expecting[push_id] = (notifiers, handle)

@@ -222,8 +222,6 @@ class WorkerSide(Side):
                             "connector; vLLM %s", rid, self._on_load_failure())
                 self._results.put(("recv", rid, False, job.blocks[job.local:]))
             return
-        if self._load is not None:
-            self._load.begin(meta.load)
         for remote in meta.keep.values():
             for src in self._owned(remote):
                 rt.spawn(self._keep, src, remote.request_id, remote.secret)
@@ -236,7 +234,17 @@ class WorkerSide(Side):
             rt.spawn(self._pull, rid, job)
         for rid in meta.abort_pull:
             rt.spawn(self._abort_pull, rid)
+
+    def before_forward(self, meta: KVStreamMetadata | None) -> None:
+        """vLLM binds each step's metadata before the step's forward (``start_load_kv``
+        may run after it: vLLM 0.32 starts async loads once the forward is launched): the
+        step's pushes are offered here, so ``save_kv_layer`` sends each layer as the
+        forward writes it, and the step counts as busy for the announced load."""
         self._step = []
+        if self._load is not None:
+            self._load.begin(meta.load if meta is not None else None)
+        if meta is None or self._runtime is None:
+            return
         for rid, off in meta.offer.items():
             if not off.push_to:
                 continue

@@ -1,0 +1,157 @@
+"""SGLang's side state (``KVArgs.state_*``): buffers indexed apart from the KV pages.
+
+Hybrid and quantized models keep per-request state beside their KV: Mamba's conv and
+temporal state (one slot per request), a sliding-window sub-pool's pages, MXFP8 block
+scales (one item per page), a DSA indexer's pages, a request row. SGLang lists them as
+components (``state_types[i]``, its buffers ``state_data_*[i]``, an item per index) and
+passes each request's indices per component with the last chunk (prefill) and with its
+metadata (decode), the same components in the same order on both sides.
+
+kvstream moves an item verbatim, index to index, between equal TP degrees. An agent
+registers one KV memory of one block mapping, so each component's buffers of one item
+size (and count) are a layout of their own (``Group``: a "layer" per buffer, a "block"
+per item) registered by an agent of their own on the manager's loop
+(``AgentRuntime.add``, instance ``<rank's instance>-s<g>``). The prefill offers each
+group's items under the request's id, the decode pulls them into its indices, and the
+decode reports ``Success`` only once the pages and every group have landed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from kvstream._exceptions import AdapterError
+from kvstream.adapters.sglang.memory import wrap
+from kvstream.layout import KVLayout
+from kvstream.transfer.plan import TpInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstream.adapters.runtime import AgentRuntime
+    from kvstream.config import AgentConfig
+    from kvstream.engine.agent import Agent
+
+__all__ = ["EXACT", "MOVED", "Group", "SideState", "group_instance", "side_groups",
+           "state_lists"]
+
+# Components whose indices name items one to one (SGLang's own backends move the same
+# through their generic and Mamba paths). The rest (DSA_TAIL's ring descriptor, QSA,
+# MiniMax, DeepSeek-V4's rings) index otherwise: refused by name.
+MOVED: Final = frozenset({"mamba", "swa", "dsa", "block_scale", "block_scale_swa",
+                          "request_row"})
+# Position- or request-indexed: both sides' index counts must agree. Paged ones (SWA,
+# DSA, block scales) may differ by a page at the window's edge: the shorter count moves,
+# as SGLang's own backends do.
+EXACT: Final = frozenset({"mamba", "request_row"})
+MAX_COMPONENTS: Final = 16
+
+
+@dataclass(frozen=True)
+class Group:
+    """One component's buffers of one item size and count: one agent's KV memory."""
+
+    component: int
+    kind: str
+    layout: KVLayout
+    tensors: list[torch.Tensor]
+    items: int
+
+
+def _kind(t: Any) -> str:
+    return str(getattr(t, "value", t))
+
+
+def side_groups(args: Any, device: str, gpu_id: int = 0) -> tuple[list[str], list[Group]]:
+    """The components' kinds and their groups, SGLang's order (equal on both sides).
+    Buffers of no bytes (a layer without that state) are left out, on both sides alike."""
+    kinds = [_kind(t) for t in (getattr(args, "state_types", None) or [])]
+    if len(kinds) > MAX_COMPONENTS:
+        raise AdapterError(f"{len(kinds)} side-state components (at most {MAX_COMPONENTS})")
+    other = sorted(set(kinds) - MOVED)
+    if other:
+        raise AdapterError(f"kvstream's SGLang backend does not move side state {other} yet "
+                           f"(it moves {sorted(MOVED)})")
+    groups: list[Group] = []
+    for i, kind in enumerate(kinds):
+        ptrs, lens, items = (list(args.state_data_ptrs[i]), list(args.state_data_lens[i]),
+                             list(args.state_item_lens[i]))
+        if not len(ptrs) == len(lens) == len(items):
+            raise AdapterError(f"side state {kind}: pointers, lengths and item sizes disagree")
+        by: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for ptr, ln, item in zip(ptrs, lens, items, strict=True):
+            if not ln or not item:
+                continue
+            if item < 0 or ln % item:
+                raise AdapterError(f"side state {kind}: a buffer of {ln} bytes is not whole "
+                                   f"items of {item}")
+            by.setdefault((item, ln // item), []).append(
+                wrap(ptr, ln, device, gpu_id).view(ln // item, 1, item))
+        for (item, n), tensors in by.items():
+            layout = KVLayout(num_layers=len(tensors), num_kv_heads=1, head_dim=item,
+                              block_size=1, dtype="uint8", arrangement="mla")
+            groups.append(Group(component=i, kind=kind, layout=layout, tensors=tensors,
+                                items=n))
+    return kinds, groups
+
+
+def group_instance(instance: str, group: int) -> str:
+    return f"{instance}-s{group}"
+
+
+def state_lists(state_indices: Any, components: int) -> list[list[int]]:
+    """SGLang's per-component indices (arrays, lists, a Mamba slot wrapped in a list, None
+    for a component it has nothing for) as lists of ints, one per component."""
+    if state_indices is None or (components == 0 and not state_indices):
+        return [[] for _ in range(components)]
+    import numpy as np
+
+    if len(state_indices) != components:
+        raise AdapterError(f"side state indices for {len(state_indices)} components, "
+                           f"{components} registered")
+    out: list[list[int]] = []
+    for x in state_indices:
+        if x is None:
+            out.append([])
+            continue
+        try:
+            out.append([int(v) for v in np.asarray(x, dtype=np.int64).reshape(-1)])
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(f"side state indices {x!r} are not integers") from exc
+    return out
+
+
+def moved_counts(kinds: list[str], mine: list[list[int]], theirs: list[int]) -> list[int]:
+    """How many items of each component move: both counts for position-indexed kinds
+    (else AdapterError), the shorter for paged ones."""
+    if len(theirs) != len(mine):
+        raise AdapterError(f"side state of {len(theirs)} components there, {len(mine)} here")
+    out = []
+    for kind, idx, n in zip(kinds, mine, theirs, strict=True):
+        if kind in EXACT and len(idx) != n:
+            raise AdapterError(f"side state {kind}: {len(idx)} items here, {n} there")
+        out.append(min(len(idx), n))
+    return out
+
+
+class SideState:
+    """A manager's side-state groups, each registered by an agent on its loop."""
+
+    def __init__(self, rt: AgentRuntime, config: AgentConfig, kinds: list[str],
+                 groups: list[Group]) -> None:
+        self.kinds, self.groups = kinds, groups
+        # Opaque items, one "latent" each: a rank's state moves to the same rank of an
+        # equal TP degree only (checked by both sides before a byte moves).
+        tp = config.tp or TpInfo()
+        tp = TpInfo(rank=tp.rank, size=tp.size, total_kv_heads=0)
+        self.agents: list[Agent] = [
+            rt.add(msgspec.structs.replace(config, instance_id=group_instance(
+                config.instance_id, g), tp=tp), grp.layout, grp.tensors)
+            for g, grp in enumerate(groups)]
+
+    def describe(self) -> str:
+        return ", ".join(f"{g.kind}: {g.layout.num_layers} x {g.items} items of "
+                         f"{g.layout.head_dim} B" for g in self.groups)
