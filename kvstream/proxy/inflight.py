@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["WINDOW_S", "Inflight"]
 
@@ -24,11 +24,11 @@ MAX_MARKS: Final = 1024  # changes remembered per URL (more within the window: a
 class Inflight(collections.Counter[str]):
     """A ``Counter`` of legs in flight per URL that also remembers its recent values."""
 
-    def __init__(self, window_s: float = WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, window_s: float = WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic, **kw: int) -> None:
         self._window, self._clock = window_s, clock
         self._marks: dict[str, collections.deque[tuple[float, int]]] = {}
+        super().__init__(*args, **kw)  # Counter's signature (``copy`` calls it so)
 
     def __setitem__(self, url: str, n: int) -> None:
         super().__setitem__(url, n)
@@ -36,12 +36,20 @@ class Inflight(collections.Counter[str]):
         if marks is None:
             marks = self._marks[url] = collections.deque(maxlen=MAX_MARKS)
         marks.append((self._clock(), n))
+        self._prune(url)
+
+    def _prune(self, url: str) -> None:
+        """Marks older than the window go; a URL with none and nothing in flight too."""
+        marks, cut = self._marks.get(url), self._clock() - self._window
+        while marks and marks[0][0] < cut:
+            marks.popleft()
+        if not marks and not self[url]:
+            self._marks.pop(url, None)
 
     def recent(self, url: str) -> int:
         """The most legs in flight at ``url`` within the window (now included)."""
-        cut = self._clock() - self._window
-        marks = self._marks.get(url, ())
-        return max([n for t, n in marks if t >= cut] + [self[url]])
+        self._prune(url)
+        return max([n for _, n in self._marks.get(url, ())] + [self[url]])
 
     def peaks(self) -> dict[str, int]:
         """``recent`` of every URL with one above zero."""

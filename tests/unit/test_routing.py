@@ -101,9 +101,12 @@ def test_an_engines_load_is_the_proxys_own_plus_what_others_send_it():
     inflight["a"] += 1
     inflight["a"] -= 2
     assert inflight["a"] == 0 and inflight.recent("a") == 2 and inflight.peaks() == {"a": 2}
+    twin = inflight.copy()  # a Counter's own methods still work
+    assert twin["a"] == 0 and twin.recent("a") == 0
     now[0] = 3.5
     assert inflight.recent("a") == 0 and inflight.peaks() == {}
     assert inflight.recent("never") == 0
+    assert not inflight._marks  # nothing kept past the window for an idle URL
 
 
 def test_kv_event_and_route_messages_are_bounded():

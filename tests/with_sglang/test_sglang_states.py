@@ -266,3 +266,28 @@ def test_notes_before_the_manager_is_whole_are_held_then_heard_in_order():
     assert mgr._held is None
     handlers[notes.WANT]("dec", notes.encode(notes.Want(room=2, pages=1)))
     assert heard[-1] == ("want", "dec", 2)
+
+
+def test_early_wants_are_bounded_per_sender():
+    """Wants for rooms whose prefill request is not here yet are kept (they usually come
+    first); one decode instance's flood of rooms that never come fills only its share,
+    its oldest going first (stale rooms must not block its new ones)."""
+    import collections
+    import types
+
+    from kvstream.adapters.sglang import manager as mm
+
+    mgr = types.SimpleNamespace(
+        _lock=threading.Lock(), senders={}, _early=collections.OrderedDict(),
+        _early_count=0, _early_by=collections.Counter(), dropped=0,
+        is_decode=lambda s: True, key_of=lambda s: K)
+    mgr._forget_early = lambda gone: mm.KVStreamKVManager._forget_early(mgr, gone)
+    mgr._drop_oldest_early = lambda s: mm.KVStreamKVManager._drop_oldest_early(mgr, s)
+    for room in range(mm.MAX_EARLY_PER_SENDER + 10):
+        mm.KVStreamKVManager.on_want(mgr, "flooder", notes.Want(room=room, pages=1))
+    mm.KVStreamKVManager.on_want(mgr, "dec", notes.Want(room=10**6, pages=1))
+    assert mgr.dropped == 10 and mgr._early_count == mm.MAX_EARLY_PER_SENDER + 1
+    assert 9 not in mgr._early and mm.MAX_EARLY_PER_SENDER + 9 in mgr._early
+    got = mm.KVStreamKVManager.claim_early(mgr, 10**6)
+    assert [s for s, _, _ in got] == ["dec"] and "dec" not in mgr._early_by
+    assert mgr._early_by["flooder"] == mm.MAX_EARLY_PER_SENDER

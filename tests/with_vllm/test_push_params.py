@@ -173,7 +173,8 @@ def test_the_load_is_announced_each_step_and_zero_once_vllm_idles():
 
 def test_early_failed_notes_are_bounded_per_sender():
     """A signed peer that floods "failed" notes for push ids nobody expects yet fills only
-    its own share: the proxy's note for a real push is still kept, and counts."""
+    its own share (its oldest go: stale ones must not block its new ones): the proxy's
+    note for a real push is still kept, and counts."""
     from kvstream.adapters.vllm.push import MAX_EARLY_PER_SENDER
 
     pushes = DecodePushes(_Rt(None))
@@ -182,3 +183,5 @@ def test_early_failed_notes_are_bounded_per_sender():
     pushes.on_failed("proxy-1", PushNote(push_id=PID, state="failed", reason="P leg: 502"))
     assert len(pushes._failed) == MAX_EARLY_PER_SENDER + 1
     assert pushes._failed[PID, "proxy-1"] == "P leg: 502"
+    assert ("push-" + "0" * 16, "flooder") not in pushes._failed  # its oldest went
+    assert (f"push-{MAX_EARLY_PER_SENDER + 49:016d}", "flooder") in pushes._failed

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Protocol
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, BaseKVManager, KVArgs
@@ -29,11 +29,13 @@ from kvstream.control.auth import NatsAuth
 from kvstream.transfer import ranks
 from kvstream.transfer.plan import TpInfo
 
-__all__ = ["Early", "KVStreamBootstrapServer", "KVStreamKVManager", "instance_for"]
+__all__ = ["MAX_EARLY_NOTES", "MAX_EARLY_PER_SENDER", "Early", "KVStreamBootstrapServer",
+           "KVStreamKVManager", "instance_for"]
 
 log = logging.getLogger("kvstream.sglang")
 
 MAX_EARLY_NOTES = 1 << 14  # notes that arrived before their prefill request (bounded, FIFO)
+MAX_EARLY_PER_SENDER = 1 << 12  # of those, from any one decode instance
 
 Early = tuple[str, notes.Want | notes.Drop, bytes]  # (sender, note, the key it signed with)
 
@@ -210,6 +212,7 @@ class KVStreamKVManager(BaseKVManager):
         # key their sender signed them with.
         self._early: OrderedDict[int, list[Early]] = OrderedDict()
         self._early_count = 0
+        self._early_by: Counter[str] = Counter()  # of those, per sender (bounded apart)
         self.dropped = 0  # notes ignored: garbage, unknown rooms, a peer not the request's
         # Notes are heard from the moment the agent announces itself (a decode that sees
         # it asks at once), and held until this manager is whole, then handled in order.
@@ -318,12 +321,17 @@ class KVStreamKVManager(BaseKVManager):
         with self._lock:
             s = self.senders.get(note.room)
             if s is None:
+                # Bounded in all and per sender: one peer's flood of rooms that never come
+                # cannot push out the notes of the decode ranks that asked for real ones.
+                if self._early_by[sender] >= MAX_EARLY_PER_SENDER:
+                    self._drop_oldest_early(sender)  # stale: a room that never came here
                 self._early.setdefault(note.room, []).append((sender, note, key))
                 self._early.move_to_end(note.room)
                 self._early_count += 1
+                self._early_by[sender] += 1
                 while self._early_count > MAX_EARLY_NOTES:
                     _, gone = self._early.popitem(last=False)
-                    self._early_count -= len(gone)
+                    self._forget_early(gone)
                 return
         s.heard(sender, note, key)
 
@@ -356,8 +364,28 @@ class KVStreamKVManager(BaseKVManager):
     def claim_early(self, room: int) -> list[Early]:
         with self._lock:
             got = self._early.pop(room, [])
-            self._early_count -= len(got)
+            self._forget_early(got)
             return got
+
+    def _drop_oldest_early(self, sender: str) -> None:
+        """Under the lock: ``sender``'s oldest early note goes."""
+        for room, kept in self._early.items():
+            for k, early in enumerate(kept):
+                if early[0] == sender:
+                    del kept[k]
+                    if not kept:
+                        del self._early[room]
+                    self._forget_early([early])
+                    self.dropped += 1
+                    return
+
+    def _forget_early(self, gone: list[Early]) -> None:
+        """Under the lock: ``gone`` left the early notes."""
+        self._early_count -= len(gone)
+        for sender, _, _ in gone:
+            self._early_by[sender] -= 1
+            if self._early_by[sender] <= 0:
+                del self._early_by[sender]
 
     def send_note(self, peer: str, note: notes.Want | notes.Ready | notes.Drop) -> None:
         topic = {notes.Want: notes.WANT, notes.Ready: notes.READY, notes.Drop: notes.DROP}[

@@ -101,6 +101,10 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
             return
         mgr = self.kv_mgr
         side = mgr.side
+        if side is not None and state_indices is None:
+            self.fail(f"no side state indices for {', '.join(side.kinds)} (a host-memory "
+                      "destination? not supported)")
+            return
         try:
             self.state = state_lists(state_indices, len(side.kinds) if side else 0)
         except AdapterError as exc:

@@ -48,6 +48,7 @@ MOVED: Final = frozenset({"mamba", "swa", "dsa", "block_scale", "block_scale_swa
 # as SGLang's own backends do.
 EXACT: Final = frozenset({"mamba", "request_row"})
 MAX_COMPONENTS: Final = 16
+MAX_GROUPS: Final = 32  # each one agent; a Ready names at most 64
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ def side_groups(args: Any, device: str, gpu_id: int = 0) -> tuple[list[str], lis
                               block_size=1, dtype="uint8", arrangement="mla")
             groups.append(Group(component=i, kind=kind, layout=layout, tensors=tensors,
                                 items=n))
+    if len(groups) > MAX_GROUPS:
+        raise AdapterError(f"side state in {len(groups)} buffer groups (at most {MAX_GROUPS}: "
+                           "each is an agent of its own)")
     return kinds, groups
 
 

@@ -4,8 +4,10 @@ vLLM's scheduler counts the requests it holds and its KV blocks in use each step
 (``KVStreamMetadata.load``); each rank's worker hands them to its agent, whose next
 heartbeat carries them. A step is the only time a connector hears from vLLM, and vLLM
 stops stepping when it holds no request (it steps while it holds any, even one only
-waiting for its KV), so the last step's load would stay announced on an idle engine:
-when no step has begun for ``IDLE_S`` after the last one ended, the load is 0.
+waiting for its KV; 0.32 takes one more step after the last finishes, which reports it),
+so an engine that stops stepping otherwise (paused) would keep its last load announced:
+when no step has begun for ``IDLE_S`` after the last one ended, the load is 0. A step
+begins at ``bind_connector_metadata``, before its forward, and ends at ``wait_for_save``.
 """
 
 from __future__ import annotations

@@ -237,9 +237,13 @@ class DecodePushes:
         if waiting is None:
             # Bounded in all and per sender: one peer's flood cannot push out the notes
             # of the proxies and ranks whose notes count.
-            if self._failed_by[sender] >= MAX_EARLY_PER_SENDER or \
-                    (note.push_id, sender) in self._failed:
+            if (note.push_id, sender) in self._failed:
                 return
+            if self._failed_by[sender] >= MAX_EARLY_PER_SENDER:  # its oldest goes (stale:
+                # a push that ended, a request aborted before it expected)
+                oldest = next(k for k in self._failed if k[1] == sender)
+                del self._failed[oldest]
+                self._forget(sender)
             self._failed[note.push_id, sender] = note.reason
             self._failed_by[sender] += 1
             while len(self._failed) > MAX_DECLINED:
