@@ -184,12 +184,19 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         if self.failure is not None:  # aborted while it started
             for h in handles:
                 await h.abort("the decode request was aborted")
-        results = [await h.result() for h in handles]
-        bad = next((r for r in results if not r.ok), None)
-        if bad is None:
+        results: list[Any] = []
+
+        async def one(h: Any) -> None:  # the first to fail fails the request (and stops the rest)
+            res = await h.result()
+            results.append(res)
+            if not res.ok:
+                self.fail(f"the pull from {','.join(srcs)} ended {res.status}: {res.reason}")
+
+        async with anyio.create_task_group() as tg:
+            for h in handles:
+                tg.start_soon(one, h)
+        if self.failure is None:
             self.result = results[0] if results else True
-        else:
-            self.fail(f"the pull from {','.join(srcs)} ended {bad.status}: {bad.reason}")
 
     async def _pull_state(self, src: str, ready: notes.Ready) -> None:
         """Each side-state group's items of this request, from the source rank's agent of
