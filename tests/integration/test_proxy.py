@@ -450,6 +450,24 @@ async def test_unreachable_prefill_engine(no_prefill, caplog):
                 await anyio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def push_pair(nats_server, namespace: str, ids: tuple[str, str], p_eng: FakeEngine,
+                    d_eng: FakeEngine, p_layout, d_layout=None):
+    """A ``transfer="push"`` proxy over a fake prefill and decode engine, each announced by a
+    real agent (``d_layout``: the decode's, if another): (proxy, client, decode agent)."""
+    d_layout = d_layout or p_layout
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace=namespace,
+                             transfer="push") as (proxy, client), \
+            Agent(cfg(ids[0], nats_server, namespace=namespace, role="prefill",
+                      endpoint=p_eng.url), layout=p_layout,
+                  kv_caches=cache(p_layout, 8, fill=False)), \
+            Agent(cfg(ids[1], nats_server, namespace=namespace, role="decode",
+                      endpoint=d_eng.url), layout=d_layout,
+                  kv_caches=cache(d_layout, 8, fill=False)) as decode:
+        yield proxy, client, decode
+
+
 async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats_server):
     """``transfer="push"``: between engines announcing equal layouts the decode leg leaves
     before the prefill leg has answered, each leg's params name the other engine and one
@@ -457,13 +475,8 @@ async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats
     lay = small_layout()
     p_eng = FakeEngine("p", hold=lambda body: True)  # answers once D has its leg
     d_eng = FakeEngine("d")
-    async with serving(p_eng, d_eng), \
-            proxy_and_client(nats_url=nats_server.url, namespace="px-push",
-                             transfer="push") as (proxy, client), \
-            Agent(cfg("px-pp", nats_server, namespace="px-push", role="prefill",
-                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
-            Agent(cfg("px-pd", nats_server, namespace="px-push", role="decode",
-                      endpoint=d_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)):
+    async with push_pair(nats_server, "px-push", ("px-pp", "px-pd"), p_eng, d_eng,
+                         lay) as (proxy, client, _):
         await until_routable(proxy, 1, 1)
         body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
 
@@ -491,13 +504,8 @@ async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats
     # Another layout on the decode side: the usual legs, one after the other.
     other = small_layout(layers=lay.num_layers + 1)
     p_eng, d_eng = FakeEngine("p"), FakeEngine("d")
-    async with serving(p_eng, d_eng), \
-            proxy_and_client(nats_url=nats_server.url, namespace="px-push2",
-                             transfer="push") as (proxy, client), \
-            Agent(cfg("px-pp", nats_server, namespace="px-push2", role="prefill",
-                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
-            Agent(cfg("px-pd", nats_server, namespace="px-push2", role="decode",
-                      endpoint=d_eng.url), layout=other, kv_caches=cache(other, 8, fill=False)):
+    async with push_pair(nats_server, "px-push2", ("px-pp", "px-pd"), p_eng, d_eng, lay,
+                         other) as (proxy, client, _):
         await until_routable(proxy, 1, 1)
         async with client.post(proxy.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode"
@@ -517,14 +525,8 @@ async def test_a_failed_prefill_leg_of_a_push_tells_every_decode_rank_at_once(na
     p_eng = FakeEngine("p", status=500)
     d_eng = FakeEngine("d", hold=lambda body: True)  # answers once the note came
     notes: list[tuple[str, object]] = []
-    async with serving(p_eng, d_eng), \
-            proxy_and_client(nats_url=nats_server.url, namespace="px-pushf",
-                             transfer="push") as (proxy, client), \
-            Agent(cfg("px-fp", nats_server, namespace="px-pushf", role="prefill",
-                      endpoint=p_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)), \
-            Agent(cfg("px-fd", nats_server, namespace="px-pushf", role="decode",
-                      endpoint=d_eng.url), layout=lay, kv_caches=cache(lay, 8, fill=False)) \
-            as decode:
+    async with push_pair(nats_server, "px-pushf", ("px-fp", "px-fd"), p_eng, d_eng,
+                         lay) as (proxy, client, decode):
         def on_note(sender: str, body: bytes) -> None:
             notes.append((sender, decode_note(body)))
             d_eng.release.set()

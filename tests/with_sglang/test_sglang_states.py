@@ -256,7 +256,7 @@ def test_notes_before_the_manager_is_whole_are_held_then_heard_in_order():
         on_want=lambda s, n: heard.append(("want", s, n.room)),
         on_ready=lambda s, n: heard.append(("ready", s, n.room)),
         on_drop=lambda s, n: heard.append(("drop", s, n.room)))
-    handlers = _dispatch(mgr)
+    handlers = mgr._handlers = _dispatch(mgr)
     handlers[notes.WANT]("dec", notes.encode(notes.Want(room=1, pages=1)))
     handlers[notes.DROP]("dec", notes.encode(notes.Drop(room=1)))
     handlers[notes.WANT]("dec", b"garbage")

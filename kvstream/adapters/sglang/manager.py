@@ -217,7 +217,8 @@ class KVStreamKVManager(BaseKVManager):
         # Notes are heard from the moment the agent announces itself (a decode that sees
         # it asks at once), and held until this manager is whole, then handled in order.
         self._held: list[tuple[str, str, bytes]] | None = []
-        self.rt = AgentRuntime(config, layout, tensors, notes=_dispatch(self))
+        self._handlers = _dispatch(self)
+        self.rt = AgentRuntime(config, layout, tensors, notes=self._handlers)
         self.side: SideState | None = None
         try:
             self.side = SideState(self.rt, config, kinds, groups) if kinds else None
@@ -357,9 +358,8 @@ class KVStreamKVManager(BaseKVManager):
     def _hear_held(self) -> None:
         """On the agent's loop, once the manager is whole: the notes that came first."""
         held, self._held = self._held or [], None
-        handlers = _dispatch(self)
         for topic, sender, body in held:
-            handlers[topic](sender, body)
+            self._handlers[topic](sender, body)
 
     def claim_early(self, room: int) -> list[Early]:
         with self._lock:
