@@ -73,3 +73,40 @@ def test_the_aux_row_lands_with_the_room_last():
     with pytest.raises(AdapterError):
         aux.write(1, [b"x" * 63, src[1]], room)
     assert not bufs[0][1].any()
+
+
+def test_side_state_split_decides_what_moves_between_tp_degrees():
+    """SGLang's own rules (its mooncake backend): an MLA model's side state is the same on
+    every rank; an MHA model's SWA sub-pool is pages of KV heads (NHD only); Mamba state
+    and MHA block scales are a rank's own bytes of a split kvstream does not know."""
+    import types
+
+    from kvstream.adapters.sglang.state import HEADS, ITEM, REPLICATED, side_groups, split_of
+
+    assert split_of("dsa", mla=True, heads=0, swa_layout=None) == REPLICATED
+    assert split_of("mamba", mla=True, heads=0, swa_layout=None) == ITEM
+    assert split_of("swa", mla=False, heads=2, swa_layout="nhd") == HEADS
+    assert split_of("swa", mla=False, heads=2, swa_layout="hnd") == ITEM
+    assert split_of("swa", mla=False, heads=0, swa_layout="nhd") == ITEM  # heads unknown
+    assert split_of("block_scale", mla=False, heads=2, swa_layout="nhd") == ITEM
+
+    page = 16 * 2 * 8 * 2  # 16 tokens x 2 heads x 8 fp16
+    swa = [torch.zeros(3 * page, dtype=torch.uint8) for _ in range(4)]  # 2 layers, K then V
+    odd = torch.zeros(5 * 96, dtype=torch.uint8)  # pages of another size than the main's
+    args = types.SimpleNamespace(
+        state_types=["swa", "block_scale"], page_size=16, kv_item_lens=[page] * 6,
+        state_data_ptrs=[[t.data_ptr() for t in swa], [odd.data_ptr()]],
+        state_data_lens=[[t.nbytes for t in swa], [odd.nbytes]],
+        state_item_lens=[[page] * 4, [96]], swa_kv_cache_layout="nhd")
+    kinds, groups = side_groups(args, "cpu", heads=2)
+    assert kinds == ["swa", "block_scale"]
+    (g_swa, g_scale) = groups
+    assert (g_swa.split, g_swa.items, g_swa.layout.arrangement, g_swa.layout.num_kv_heads,
+            g_swa.layout.num_layers, g_swa.layout.block_size) == (HEADS, 3, "split_nhd", 2, 2, 16)
+    assert (g_scale.split, g_scale.items, g_scale.layout.head_dim) == (ITEM, 5, 96)
+    # SWA pages of another size than the main pool's (other heads): verbatim, equal TP only
+    args.kv_item_lens = [2 * page] * 6
+    assert side_groups(args, "cpu", heads=2)[1][0].split == ITEM
+    # MLA: everything but Mamba is the same on every rank
+    args.kv_item_lens = [page] * 6
+    assert {g.split for g in side_groups(args, "cpu", mla=True)[1]} == {REPLICATED}

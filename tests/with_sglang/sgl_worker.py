@@ -5,7 +5,7 @@ a V buffer of ``[size + page_size, heads, head_dim]``, K of every layer first) a
 own ``MetadataBuffers`` for the aux rows.
 
     python -m tests.with_sglang.sgl_worker {prefill,decode} SCENARIO PORT ROOMS OUT \
-        [--rank R --tp T --mla --draft --model-dir DIR]
+        [--rank R --tp T --mla --draft --model-dir DIR --state {mamba,swa,dsa}]
 
 Page ``k`` of a room holds a pattern of (room, k) over the model's KV heads; a prefill
 rank holds its heads of it (as SGLang splits them over TP), and a decode rank checks
@@ -64,49 +64,94 @@ class Model:
 
 SLOTS = 6  # Mamba state slots per layer buffer
 SCALE = 16  # bytes of block scales per page
+SWA_LAYERS, SWA_PAGES, WINDOW = 2, 9, 2  # the SWA sub-pool: its layers, pages, a window
+DSA = 40  # bytes of an MLA model's indexer per page
 
 
 class State:
-    """Side state as SGLang lists it: a Mamba component (two conv and two temporal
-    buffers of other item sizes, and a layer without state: no bytes), one slot per
-    request; a block-scale component (K and V scales), one item per KV page."""
+    """Side state as SGLang lists it, one of three sets:
 
-    KINDS = ("mamba", "block_scale")
+    * ``mamba``: a Mamba component (two conv and two temporal buffers of other item sizes,
+      and a layer without state: no bytes), one slot per request, and block scales (K
+      and V scales), one item per KV page: a rank's own bytes;
+    * ``swa``: an MHA model's SWA sub-pool (K of each SWA layer, then V, pages like the
+      main pool's: this rank's heads of them), the request's window of its own pages;
+    * ``dsa``: an MLA model's indexer pages (the KV pages' ids), the same on every rank.
+    """
 
-    def __init__(self) -> None:
-        self.bufs = [[torch.zeros(SLOTS, n, dtype=torch.uint8) for n in (48, 48, 80, 80)],
-                     [torch.zeros(SIZE // PAGE + 1, SCALE, dtype=torch.uint8)
-                      for _ in range(2)]]
+    def __init__(self, name: str, model: Model) -> None:
+        self.name, self.model = name, model
+        if name == "mamba":
+            self.kinds = ("mamba", "block_scale")
+            self.bufs = [[torch.zeros(SLOTS, n, dtype=torch.uint8) for n in (48, 48, 80, 80)],
+                         [torch.zeros(SIZE // PAGE + 1, SCALE, dtype=torch.uint8)
+                          for _ in range(2)]]
+        elif name == "swa":
+            self.kinds = ("swa",)
+            self.bufs = [[torch.zeros(SWA_PAGES * PAGE, len(model.heads), DIM,
+                                      dtype=torch.float16) for _ in range(2 * SWA_LAYERS)]]
+        elif name == "dsa":
+            self.kinds = ("dsa",)
+            self.bufs = [[torch.zeros(SIZE // PAGE + 1, DSA, dtype=torch.uint8)
+                          for _ in range(LAYERS)]]
+        else:
+            raise ValueError(name)
+
+    def _items(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer as its items (an SWA buffer's: pages)."""
+        return t.view(-1, PAGE, *t.shape[1:]) if self.name == "swa" else t
 
     def fill(self, args: object) -> None:
         from sglang.srt.disaggregation.base.conn import StateType
 
-        args.state_types = [StateType(k) for k in self.KINDS]
+        args.state_types = [StateType(k) for k in self.kinds]
         args.state_data_ptrs = [[t.data_ptr() for t in c] for c in self.bufs]
         args.state_data_lens = [[t.nbytes for t in c] for c in self.bufs]
-        args.state_item_lens = [[t[0].nbytes for t in c] for c in self.bufs]
-        args.state_data_ptrs[0].insert(2, 0)  # a layer without Mamba state
-        args.state_data_lens[0].insert(2, 0)
-        args.state_item_lens[0].insert(2, 0)
+        args.state_item_lens = [[self._items(t)[0].nbytes for t in c] for c in self.bufs]
+        if self.name == "mamba":
+            args.state_data_ptrs[0].insert(2, 0)  # a layer without Mamba state
+            args.state_data_lens[0].insert(2, 0)
+            args.state_item_lens[0].insert(2, 0)
+        if self.name == "swa":
+            args.swa_kv_cache_layout = "nhd"
 
-    @staticmethod
-    def item(room: int, comp: int, buf: int, k: int, n: int) -> torch.Tensor:
+    def request(self, role: str, i: int, slot: int, pages: list[int]) -> list[list[int]]:
+        """The indices of request ``i`` per component (each side its own)."""
+        if self.name == "mamba":
+            return [[slot], pages]
+        if self.name == "swa":  # the last WINDOW pages, in the SWA pool's own page ids
+            first = 1 + i if role == "prefill" else SWA_PAGES - 1 - i
+            step = 2 if role == "prefill" else -2
+            return [[first + step * k for k in range(WINDOW)]]
+        return [pages]
+
+    def indices(self, idx: list[list[int]]) -> list[object]:
+        """As SGLang passes them: a Mamba slot wrapped in a list, pages as arrays."""
+        if self.name == "mamba":
+            return [[np.array(idx[0][0], dtype=np.int64)], np.array(idx[1], dtype=np.int32)]
+        return [np.array(x, dtype=np.int32) for x in idx]
+
+    def item(self, room: int, comp: int, buf: int, k: int, like: torch.Tensor) -> torch.Tensor:
+        """Item ``k`` of the request's component ``comp`` in buffer ``buf``: this rank's
+        heads of an SWA page, the whole item otherwise."""
         gen = torch.Generator().manual_seed((room * 977 + comp * 31 + buf * 7 + k) % (1 << 62))
-        return torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        if self.name == "swa":
+            full = torch.randn(PAGE, HEADS, DIM, generator=gen).half()
+            return full[:, self.model.heads.start:self.model.heads.stop]
+        return torch.randint(0, 256, like.shape, generator=gen, dtype=torch.uint8)
 
-    def indices(self, slot: int, pages: list[int]) -> list[object]:
-        return [[np.array(slot, dtype=np.int64)], np.array(pages, dtype=np.int32)]
-
-    def write(self, room: int, slot: int, pages: list[int]) -> None:
-        for comp, idx in enumerate(([slot], pages)):
+    def write(self, room: int, idx: list[list[int]]) -> None:
+        for comp, ids in enumerate(idx):
             for b, t in enumerate(self.bufs[comp]):
-                for k, i in enumerate(idx):
-                    t[i] = self.item(room, comp, b, k, t.shape[1])
+                items = self._items(t)
+                for k, i in enumerate(ids):
+                    items[i] = self.item(room, comp, b, k, items[i])
 
-    def exact(self, room: int, slot: int, pages: list[int]) -> bool:
-        return all(torch.equal(t[i], self.item(room, comp, b, k, t.shape[1]))
-                   for comp, idx in enumerate(([slot], pages))
-                   for b, t in enumerate(self.bufs[comp]) for k, i in enumerate(idx))
+    def exact(self, room: int, idx: list[list[int]]) -> bool:
+        return all(torch.equal(self._items(t)[i], self.item(room, comp, b, k,
+                                                            self._items(t)[i]))
+                   for comp, ids in enumerate(idx)
+                   for b, t in enumerate(self.bufs[comp]) for k, i in enumerate(ids))
 
 
 def kv_args(role: str, bufs: list[torch.Tensor], meta: object, rank: int,
@@ -164,7 +209,7 @@ def main() -> None:
     cli.add_argument("--mla", action="store_true")
     cli.add_argument("--draft", action="store_true")
     cli.add_argument("--model-dir")
-    cli.add_argument("--state", action="store_true")
+    cli.add_argument("--state", default="", help="side state: mamba, swa or dsa")
     a = cli.parse_args()
     role, scenario, port, out = a.role, a.scenario, int(a.port), a.out
     rooms = [int(r) for r in a.rooms.split(",")]
@@ -188,7 +233,7 @@ def main() -> None:
                            max_sampling_mask_tokens=16)
     args = kv_args(role, bufs, meta, a.rank, model,
                    heads_told=role == "prefill" or a.model_dir is None)
-    state = State() if a.state else None
+    state = State(a.state, model) if a.state else None
     if state is not None:
         state.fill(args)
     sargs = server_args(role, a.tp, port, a.model_dir if role == "decode" else None)
@@ -232,8 +277,9 @@ def main() -> None:
             assert list(pages) == page_ids
             last_state: object = []
             if state is not None:  # with the last chunk, as SGLang passes it
-                state.write(room, 1 + i, page_ids)
-                last_state = state.indices(1 + i, page_ids)
+                idx = state.request(role, i, 1 + i, page_ids)
+                state.write(room, idx)
+                last_state = state.indices(idx)
             if sender.should_send_kv_chunk(2, False):
                 sender.send(pages[:2], None, num_kv_tokens=2 * PAGE)
             assert sender.should_send_kv_chunk(len(pages) - 2, True)
@@ -271,12 +317,19 @@ def main() -> None:
             rx = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
             assert int(rx.poll()) == KVPoll.Bootstrapping
             rx.init(0)
+            if int(rx.poll()) == KVPoll.Failed:  # refused: the pair cannot move this KV
+                try:
+                    rx.failure_exception()
+                except Exception as exc:
+                    polls[str(room)] = [int(KVPoll.Failed), False, [], 0.0, str(exc)]
+                rx.clear()
+                continue
             assert int(rx.poll()) == KVPoll.WaitingForInput
             aux_index = 10 + i
             page_ids = [20 + 2 * j + i for j in range(npages)]
-            slot = SLOTS - 1 - i
+            idx = state.request(role, i, SLOTS - 1 - i, page_ids) if state else []
             rx.send_metadata(np.array(page_ids, dtype=np.int32), aux_index,
-                             state.indices(slot, page_ids) if state is not None else None,
+                             state.indices(idx) if state is not None else None,
                              decode_prefix_len=0)
             t0 = time.monotonic()
             if scenario == "abort_decode":
@@ -296,7 +349,7 @@ def main() -> None:
                    int(meta.bootstrap_room[aux_index, 0])]
             polls[str(room)] = [final, exact, aux, round(took, 2)]
             if state is not None:
-                report.setdefault("state", {})[str(room)] = state.exact(room, slot, page_ids)
+                report.setdefault("state", {})[str(room)] = state.exact(room, idx)
             if final == KVPoll.Failed:
                 try:
                     rx.failure_exception()

@@ -79,7 +79,7 @@ def test_the_plugin_makes_kvstream_a_backend_choice():
 def _run(tmp_path: Path, nats_url: str, scenario: str, rooms: list[int], port: int,
          kill_after_first: bool = False, prefill_tp: int = 1, decode_tp: int = 1,
          mla: bool = False, model_dir: Path | None = None,
-         draft: bool = False, state: tuple[bool, bool] = (False, False)
+         draft: bool = False, state: tuple[str, str] = ("", "")
          ) -> tuple[list[dict], list[dict]]:
     """Every rank of a prefill and a decode engine, one process each; their reports."""
     cmd = [sys.executable, "-m", "tests.with_sglang.sgl_worker"]
@@ -91,7 +91,7 @@ def _run(tmp_path: Path, nats_url: str, scenario: str, rooms: list[int], port: i
             out = outs[role, rank] = tmp_path / f"{scenario}-{role}{rank}.json"
             extra = ["--rank", str(rank), "--tp", str(tp)] + (["--mla"] if mla else []) + (
                 ["--draft"] if draft else []) + (
-                ["--state"] if state[role == "decode"] else []) + (
+                ["--state", state[role == "decode"]] if state[role == "decode"] else []) + (
                 ["--model-dir", str(model_dir)] if model_dir is not None else [])
             procs[role, rank] = subprocess.Popen(
                 [*cmd, role, scenario, str(port), roomlist, str(out), *extra],
@@ -175,6 +175,14 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "rms_norm_eps": 1e-5, "torch_dtype": "float16"}  # the worker's 2 KV heads
 
 
+def _tiny_llama(tmp_path: Path) -> Path:
+    """A model folder SGLang's ``ModelConfig`` reads the decode's KV heads from."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return model
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "mla"), [
     (2, 1, False),  # a gather: the decode rank takes one head from each prefill rank
     (1, 2, False),  # a shared offer: each decode rank pulls its head of the one offer
@@ -186,9 +194,7 @@ def test_pages_move_between_engines_of_other_tp_degrees(tmp_path, nats_url, pref
     """Every decode rank gets every byte of its heads of every page and the aux row; every
     prefill rank succeeds (a rank not read, once it computed). The decode reads its KV
     head count from SGLang's own model config (0.5.23's decode KVArgs carry none)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    model = _tiny_llama(tmp_path)
     rooms = [5_000_017, 5_000_018]
     port = 19100 + 10 * prefill_tp + decode_tp + (5 if mla else 0)
     pre, dec = _run(tmp_path, nats_url, "ok", rooms, port, prefill_tp=prefill_tp,
@@ -228,7 +234,7 @@ def test_side_state_moves_with_the_pages(tmp_path, nats_url):
     and the decode succeeds only once they and the pages landed. A decode with side state
     and a prefill without fail on both sides, the prefill saying why."""
     rooms = [8_000_001, 8_000_002]
-    (pre,), (dec,) = _run(tmp_path, nats_url, "ok", rooms, 19300, state=(True, True))
+    (pre,), (dec,) = _run(tmp_path, nats_url, "ok", rooms, 19300, state=("mamba", "mamba"))
     for room in rooms:
         assert pre["polls"][str(room)][:2] == [WAITING, SUCCESS], pre
         got, exact, aux, _ = dec["polls"][str(room)]
@@ -236,8 +242,52 @@ def test_side_state_moves_with_the_pages(tmp_path, nats_url):
         assert dec["state"][str(room)] is True, dec
     (tmp_path / "mixed").mkdir()
     (pre,), (dec,) = _run(tmp_path / "mixed", nats_url, "ok", rooms[:1], 19301,
-                          state=(False, True))
+                          state=("", "mamba"))
     assert dec["polls"][str(rooms[0])][:2] == [FAILED, False], dec
     assert pre["polls"][str(rooms[0])][:2] == ["bootstrap", FAILED], pre
     assert "side state ['mamba', 'block_scale'] at the decode" in pre["polls"][str(rooms[0])][2]
     # The decode hears the prefill's Drop, or sees it leave first (it exits right after).
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "mla", "state"), [
+    (2, 1, False, "swa"),  # SWA pages: a gather of heads, as the main pages move
+    (1, 2, False, "swa"),  # SWA pages: each decode rank its heads of rank 0's one offer
+    (2, 1, True, "dsa"),   # MLA: the indexer pages whole from prefill rank 0 (rank 1 not read)
+    (1, 2, True, "dsa"),   # MLA: both decode ranks read rank 0's one offer of them
+])
+def test_side_state_moves_between_engines_of_other_tp_degrees(tmp_path, nats_url, prefill_tp,
+                                                              decode_tp, mla, state):
+    """An MHA model's SWA sub-pool is split by KV heads like its pages: every decode rank
+    gets its heads of the window's pages; an MLA model's side state is the same on every
+    rank: each decode rank gets it whole from the rank its latent comes from. Byte for
+    byte, and Success only once pages, side state and aux row landed."""
+    model = _tiny_llama(tmp_path)
+    rooms = [8_100_001, 8_100_002]
+    port = 19400 + 10 * prefill_tp + decode_tp + (5 if mla else 0)
+    pre, dec = _run(tmp_path, nats_url, "ok", rooms, port, prefill_tp=prefill_tp,
+                    decode_tp=decode_tp, mla=mla, model_dir=None if mla else model,
+                    state=(state, state))
+    for rank, report in enumerate(dec):
+        for room in rooms:
+            got, exact, aux, _ = report["polls"][str(room)]
+            assert got == SUCCESS and exact and aux == [room % 1000, 11, room], (rank, report)
+            assert report["state"][str(room)] is True, (rank, report)
+    for rank, report in enumerate(pre):
+        for room in rooms:
+            assert report["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, report)
+
+
+def test_side_state_of_unknown_split_is_refused_between_other_tp_degrees(tmp_path, nats_url):
+    """Mamba state (SGLang slices it by heads and channels) and an MHA model's block
+    scales are a rank's own bytes: between TP 2 and 1 the decode refuses before a byte
+    moves, naming them, and every prefill rank fails too (told, not waiting out its
+    bootstrap timeout)."""
+    model = _tiny_llama(tmp_path)
+    rooms = [8_200_001]
+    pre, (dec,) = _run(tmp_path, nats_url, "ok", rooms, 19450, prefill_tp=2,
+                       model_dir=model, state=("mamba", "mamba"))
+    got, exact, _, _, why = dec["polls"][str(rooms[0])]
+    assert (got, exact) == (FAILED, False), dec
+    assert "side state ['block_scale', 'mamba'] moves only between equal TP degrees" in why
+    for rank, report in enumerate(pre):
+        assert report["polls"][str(rooms[0])][:2] == ["bootstrap", FAILED], (rank, report)

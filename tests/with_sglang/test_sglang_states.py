@@ -291,3 +291,24 @@ def test_early_wants_are_bounded_per_sender():
     got = mm.KVStreamKVManager.claim_early(mgr, 10**6)
     assert [s for s, _, _ in got] == ["dec"] and "dec" not in mgr._early_by
     assert mgr._early_by["flooder"] == mm.MAX_EARLY_PER_SENDER
+
+
+def test_a_drop_counts_from_a_decode_that_left_a_want_does_not():
+    """A decode that refuses a request tells every prefill rank and may exit at once; a
+    rank still starting holds the Drop and hears it after the decode left: it still
+    fails the request (not waiting out its bootstrap timeout). A Want from a decode no
+    longer alive is ignored (nobody would read the pages)."""
+    import collections
+    import types
+
+    from kvstream.adapters.sglang import manager as mm
+
+    mgr = types.SimpleNamespace(
+        _lock=threading.Lock(), senders={}, _early=collections.OrderedDict(),
+        _early_count=0, _early_by=collections.Counter(), dropped=0,
+        is_decode=lambda s: False, decode_role=lambda s: True, key_of=lambda s: K)
+    mm.KVStreamKVManager.on_want(mgr, "dec", notes.Want(room=5, pages=1))
+    assert mgr.dropped == 1 and not mgr._early
+    mm.KVStreamKVManager.on_want(mgr, "dec", notes.Drop(room=5, reason="refused"))
+    assert mgr.dropped == 1 and [n for _, n, _ in mgr._early[5]] == [
+        notes.Drop(room=5, reason="refused")]

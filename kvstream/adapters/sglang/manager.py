@@ -17,6 +17,7 @@ import threading
 from collections import Counter, OrderedDict
 from typing import Any, Protocol
 
+import anyio
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer, BaseKVManager, KVArgs
 
 from kvstream._exceptions import AdapterError, KVStreamError
@@ -36,6 +37,7 @@ log = logging.getLogger("kvstream.sglang")
 
 MAX_EARLY_NOTES = 1 << 14  # notes that arrived before their prefill request (bounded, FIFO)
 MAX_EARLY_PER_SENDER = 1 << 12  # of those, from any one decode instance
+NOTE_FLUSH_S = 2.0  # how long teardown waits for the notes on their way
 
 Early = tuple[str, notes.Want | notes.Drop, bytes]  # (sender, note, the key it signed with)
 
@@ -96,6 +98,17 @@ def _kv_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int, int]:
         return 0, 0
 
 
+def _hnd_pages() -> bool:
+    """Whether SGLang lays its MHA pages out heads first (``[heads, page, dim]``), which
+    the head-sliced plans (NHD: ``[page, heads, dim]``) would misread."""
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_USE_HND_KVCACHE.get())
+    except Exception:  # another SGLang version: the environment variable itself
+        return os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in ("1", "true", "yes")
+
+
 class _Sender(Protocol):
     """What the manager hands a prefill request (``sender.py``)."""
 
@@ -143,7 +156,9 @@ class KVStreamKVManager(BaseKVManager):
         self.server_args = server_args
         self.role = "prefill" if getattr(disaggregation_mode, "value", "") == "prefill" \
             else "decode"
-        self.is_mla = bool(is_mla_backend)
+        # A hybrid pool (linear attention beside MLA) is not an MLA pool to SGLang's check,
+        # but its pages are MLA's: one latent buffer per layer, the same on every rank.
+        self.is_mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
         for knob in ("pp_size", "dp_size", "attn_cp_size"):
@@ -166,6 +181,8 @@ class KVStreamKVManager(BaseKVManager):
         self.opaque: str | None = None
         if getattr(args, "num_draft_entries", 0):
             heads, self.opaque = 0, "the pages carry speculative draft KV too"
+        elif not self.is_mla and int(args.page_size) > 1 and _hnd_pages():
+            heads, self.opaque = 0, "its pages are HND (SGLANG_USE_HND_KVCACHE): heads first"
         elif not self.is_mla and heads == 0:
             self.opaque = "SGLang told this rank no KV head count (kv_head_num)"
         self.total_kv_heads = 0 if self.is_mla else total or max(1, heads) * self.tp_size
@@ -178,7 +195,8 @@ class KVStreamKVManager(BaseKVManager):
         self.aux = AuxRows(list(args.aux_data_ptrs), list(args.aux_data_lens),
                            list(args.aux_item_lens))
         # Side state (Mamba, SWA, block scales, ...): refused by kind before anything starts
-        kinds, groups = side_groups(args, self.device, int(getattr(args, "gpu_id", 0) or 0))
+        kinds, groups = side_groups(args, self.device, int(getattr(args, "gpu_id", 0) or 0),
+                                    mla=self.is_mla, heads=heads)
         if self.role == "prefill":
             host = os.environ.get("KVSTREAM_SGLANG_HOST") or str(
                 getattr(server_args, "host", "") or "")
@@ -206,6 +224,7 @@ class KVStreamKVManager(BaseKVManager):
         self.drain_timeout_s = 4 * config.request_timeout_s + 10.0
         self.waiting_timeout_s = sglang_timeout("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
         self._lock = threading.Lock()
+        self._notes_out = 0  # notes on their way (teardown waits for them, bounded)
         self.senders: dict[int, _Sender] = {}
         self.receivers: dict[int, _Receiver] = {}
         # Notes for rooms whose prefill request is not here yet: Wants, or a Drop, with the
@@ -249,7 +268,19 @@ class KVStreamKVManager(BaseKVManager):
         """NATS is the bootstrap: the agent announced itself when it started."""
 
     def teardown(self) -> None:
+        """Stop the agent once the notes on their way left (bounded): a Drop sent just
+        before must still reach its peer, which would otherwise wait out its timeout."""
+        if self.rt.agent is not None:
+            try:
+                self.rt.call(self._flush_notes, NOTE_FLUSH_S)
+            except Exception as exc:  # closing must not raise into SGLang's shutdown
+                log.warning("kvstream: notes not flushed: %r", exc)
         self.rt.close()
+
+    async def _flush_notes(self, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            while self._notes_out:
+                await anyio.sleep(0.01)
 
     # -- decode: where the prefill ranks are ---------------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -314,8 +345,10 @@ class KVStreamKVManager(BaseKVManager):
 
     def on_want(self, sender: str, note: notes.Want | notes.Drop) -> None:
         """A Want or Drop for this prefill rank's sender of the room (kept for it if the
-        request is not here yet; the sender checks who sent it)."""
-        if self.is_decode(sender) is False:
+        request is not here yet; the sender checks who sent it). A Drop counts from a
+        decode that has left since (it may have been held while this manager started)."""
+        if (self.decode_role(sender) if isinstance(note, notes.Drop)
+                else self.is_decode(sender)) is False:
             self.dropped += 1
             return
         key = self.key_of(sender)
@@ -391,12 +424,18 @@ class KVStreamKVManager(BaseKVManager):
         topic = {notes.Want: notes.WANT, notes.Ready: notes.READY, notes.Drop: notes.DROP}[
             type(note)]
         body = notes.encode(note)
+        agent = self.agent
+        with self._lock:
+            self._notes_out += 1
 
         async def send() -> None:
             try:
-                await self.agent.note(peer, topic, body)
+                await agent.note(peer, topic, body)
             except KVStreamError as exc:
                 log.warning("kvstream: %s to %s failed: %s", topic, peer, exc)
+            finally:
+                with self._lock:
+                    self._notes_out -= 1
 
         self.rt.spawn(send)
 

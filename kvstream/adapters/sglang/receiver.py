@@ -20,7 +20,7 @@ from kvstream._exceptions import AdapterError, KVStreamError
 from kvstream.adapters.sglang import notes
 from kvstream.adapters.sglang.manager import KVStreamKVManager, instance_for
 from kvstream.adapters.sglang.side import Side, rid
-from kvstream.adapters.sglang.state import group_instance, state_lists
+from kvstream.adapters.sglang.state import HEADS, group_instance, state_lists
 from kvstream.transfer import ranks
 
 __all__ = ["KVStreamKVReceiver"]
@@ -74,8 +74,8 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         elif tp != mgr.tp_size and mgr.opaque is not None:
             why = (f"prefill TP {tp}, decode TP {mgr.tp_size}, and {mgr.opaque}: its pages "
                    "move only between equal TP degrees")
-        elif mgr.side is not None and tp != mgr.tp_size:
-            why = (f"side state ({', '.join(mgr.side.kinds)}) moves only between equal TP "
+        elif mgr.side is not None and tp != mgr.tp_size and mgr.side.equal_tp_only():
+            why = (f"side state {mgr.side.equal_tp_only()} moves only between equal TP "
                    f"degrees: prefill TP {tp}, decode TP {mgr.tp_size}")
         elif not mgr.is_mla:
             why = ranks.refusal(tp, mgr.tp_size, total)
@@ -130,6 +130,9 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
             self.fail(f"{sender} offers {ready.pages} pages for {len(self.pages)} allocated")
             return
         why = self._state_refusal(ready)
+        first = next(iter(self.readys.values()), None)
+        if not why and first is not None and ready.state != first.state:
+            why = f"side state counts {ready.state}, the other prefill ranks' {first.state}"
         if why:
             self.fail(f"{sender}: {why}")
             return
@@ -174,7 +177,7 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
                 self.handle = await mgr.agent.pull(
                     rid(self.room), srcs, self.pages, mode="eager",
                     secret=[self.readys[s].secret for s in srcs])
-            await self._pull_state(srcs[0], ready)
+            await self._pull_state(srcs)
         except KVStreamError as exc:
             self.fail(f"the pull from {','.join(srcs)} failed: {exc}")
             return
@@ -198,24 +201,32 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         if self.failure is None:
             self.result = results[0] if results else True
 
-    async def _pull_state(self, src: str, ready: notes.Ready) -> None:
-        """Each side-state group's items of this request, from the source rank's agent of
-        that group (equal TP degrees: one source)."""
+    async def _pull_state(self, srcs: list[str]) -> None:
+        """Each side-state group's items of this request, from the source ranks' agents
+        of that group: a HEADS group as the pages move (a gather of heads, or this rank's
+        heads of a shared offer), the others whole from the one source."""
         side = self.kv_mgr.side
         if side is None:
             return
-        for g, (grp, agent, secret) in enumerate(zip(side.groups, side.agents,
-                                                     ready.state_secrets, strict=True)):
-            if not secret:
+        first = self.readys[srcs[0]]
+        for g, (grp, agent) in enumerate(zip(side.groups, side.agents, strict=True)):
+            if not first.state_secrets[g]:
                 continue
-            items = self.state[grp.component][:ready.state[grp.component]]
-            peer = group_instance(src, g)
-            # Started after its rank's agent: its announcement may still be on the way.
+            items = self.state[grp.component][:first.state[grp.component]]
+            peers = [group_instance(s, g) for s in srcs]
+            # Started after their rank's agent: an announcement may still be on the way.
             with anyio.move_on_after(self.kv_mgr.agent.config.peer_timeout_s):
-                while agent.registry.announced(peer) is None:
+                while any(agent.registry.announced(p) is None for p in peers):
                     await anyio.sleep(0.05)
-            self.state_handles.append(await agent.pull(
-                rid(self.room), peer, items, mode="eager", secret=secret))
+            if len(srcs) > 1 and grp.split == HEADS:
+                handle = await agent.pull(rid(self.room), peers, items, mode="eager",
+                                          secret=[self.readys[s].state_secrets[g] for s in srcs])
+            elif len(srcs) > 1:  # MLA reads one rank: HEADS is the only split gathered
+                raise AdapterError(f"side state {grp.kind} ({grp.split}) from {len(srcs)} ranks")
+            else:
+                handle = await agent.pull(rid(self.room), peers[0], items, mode="eager",
+                                          secret=first.state_secrets[g], readers=self.readers)
+            self.state_handles.append(handle)
 
     def _streaming(self) -> bool:
         return self._starting is not None and (not self._starting.is_set() or any(

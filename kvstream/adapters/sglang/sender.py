@@ -144,9 +144,10 @@ class KVStreamKVSender(Side, BaseKVSender):
             elif want.state_kinds != (mgr.side.kinds if mgr.side is not None else []):
                 why = (f"side state {want.state_kinds or 'none'} at the decode, "
                        f"{mgr.side.kinds if mgr.side is not None else 'none'} here")
-            elif mgr.side is not None and want.tp_size != mgr.tp_size:
-                why = (f"side state moves only between equal TP degrees (decode TP "
-                       f"{want.tp_size}, prefill TP {mgr.tp_size})")
+            elif mgr.side is not None and want.tp_size != mgr.tp_size and \
+                    mgr.side.equal_tp_only():
+                why = (f"side state {mgr.side.equal_tp_only()} moves only between equal TP "
+                       f"degrees (decode TP {want.tp_size}, prefill TP {mgr.tp_size})")
             if why is not None:
                 self.fail(why)
                 return
@@ -255,14 +256,16 @@ class KVStreamKVSender(Side, BaseKVSender):
         """Offer each side-state group's items of this request (on the agent's loop); the
         secrets, "" for a group with none."""
         side, out = self.kv_mgr.side, list[str]()
-        if side is None:
+        if side is None or self.want is None:
             return out
+        shared = self.want.readers  # the decode ranks reading this one (as its pages)
         for grp, agent in zip(side.groups, side.agents, strict=True):
             items = self.state[grp.component]
             if not items:
                 out.append("")
                 continue
-            h = agent.offer(rid(self.room), items, mode="eager")
+            h = agent.offer(rid(self.room), items, mode="eager",
+                            readers=shared if shared > 1 else None)
             h.all_ready()
             self.state_handles.append(h)
             self._state_left += 1
