@@ -140,6 +140,23 @@ class State:
             return full[:, self.model.heads.start:self.model.heads.stop]
         return torch.randint(0, 256, like.shape, generator=gen, dtype=torch.uint8)
 
+    def write_as(self, room: int, idx: list[list[int]], rank: int) -> None:
+        """What prefill rank ``rank`` holds: the items, or for an MLA model's replicated
+        state on a rank the decode does not read (above 0), other bytes, so the decode's
+        check proves which rank it read."""
+        self.write(room, idx)
+        if self.name == "dsa" and rank > 0:
+            for comp, ids in enumerate(idx):
+                for t in self.bufs[comp]:
+                    for i in ids:
+                        t[i] ^= 0xFF
+
+    def stray(self, used: set[tuple[int, int]]) -> bool:
+        """Whether any item outside ``used`` (component, index) pairs holds a byte."""
+        return any(bool(self._items(t)[i].any()) for comp, c in enumerate(self.bufs)
+                   for t in c for i in range(self._items(t).shape[0])
+                   if (comp, i) not in used)
+
     def write(self, room: int, idx: list[list[int]]) -> None:
         for comp, ids in enumerate(idx):
             for b, t in enumerate(self.bufs[comp]):
@@ -278,7 +295,7 @@ def main() -> None:
             last_state: object = []
             if state is not None:  # with the last chunk, as SGLang passes it
                 idx = state.request(role, i, 1 + i, page_ids)
-                state.write(room, idx)
+                state.write_as(room, idx, a.rank)
                 last_state = state.indices(idx)
             if sender.should_send_kv_chunk(2, False):
                 sender.send(pages[:2], None, num_kv_tokens=2 * PAGE)
@@ -313,6 +330,7 @@ def main() -> None:
                 held.append(rx)
             mgr.teardown()
             return
+        used: set[tuple[int, int]] = set()  # the side state items the rooms were given
         for i, room in enumerate(rooms):
             rx = cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
             assert int(rx.poll()) == KVPoll.Bootstrapping
@@ -328,6 +346,7 @@ def main() -> None:
             aux_index = 10 + i
             page_ids = [20 + 2 * j + i for j in range(npages)]
             idx = state.request(role, i, SLOTS - 1 - i, page_ids) if state else []
+            used.update((c, x) for c, ids in enumerate(idx) for x in ids)
             rx.send_metadata(np.array(page_ids, dtype=np.int32), aux_index,
                              state.indices(idx) if state is not None else None,
                              decode_prefix_len=0)
@@ -356,6 +375,8 @@ def main() -> None:
                 except Exception as exc:
                     polls[str(room)].append(str(exc))
             rx.clear()
+        if state is not None:
+            report["stray"] = state.stray(used)
     report["polls"] = polls
     with open(out, "w") as f:
         json.dump(report, f)

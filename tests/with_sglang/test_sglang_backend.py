@@ -240,6 +240,7 @@ def test_side_state_moves_with_the_pages(tmp_path, nats_url):
         got, exact, aux, _ = dec["polls"][str(room)]
         assert got == SUCCESS and exact and aux == [room % 1000, 11, room], dec
         assert dec["state"][str(room)] is True, dec
+    assert dec["stray"] is False, dec  # no other slot or page written
     (tmp_path / "mixed").mkdir()
     (pre,), (dec,) = _run(tmp_path / "mixed", nats_url, "ok", rooms[:1], 19301,
                           state=("", "mamba"))
@@ -252,7 +253,8 @@ def test_side_state_moves_with_the_pages(tmp_path, nats_url):
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "mla", "state"), [
     (2, 1, False, "swa"),  # SWA pages: a gather of heads, as the main pages move
     (1, 2, False, "swa"),  # SWA pages: each decode rank its heads of rank 0's one offer
-    (2, 1, True, "dsa"),   # MLA: the indexer pages whole from prefill rank 0 (rank 1 not read)
+    (2, 1, True, "dsa"),   # MLA: the indexer pages whole from prefill rank 0 (rank 1, not
+                           # read, holds other bytes: the check proves which rank was read)
     (1, 2, True, "dsa"),   # MLA: both decode ranks read rank 0's one offer of them
 ])
 def test_side_state_moves_between_engines_of_other_tp_degrees(tmp_path, nats_url, prefill_tp,
@@ -272,6 +274,7 @@ def test_side_state_moves_between_engines_of_other_tp_degrees(tmp_path, nats_url
             got, exact, aux, _ = report["polls"][str(room)]
             assert got == SUCCESS and exact and aux == [room % 1000, 11, room], (rank, report)
             assert report["state"][str(room)] is True, (rank, report)
+        assert report["stray"] is False, (rank, report)  # nothing landed elsewhere
     for rank, report in enumerate(pre):
         for room in rooms:
             assert report["polls"][str(room)][:2] == [WAITING, SUCCESS], (rank, report)

@@ -312,3 +312,65 @@ def test_a_drop_counts_from_a_decode_that_left_a_want_does_not():
     mm.KVStreamKVManager.on_want(mgr, "dec", notes.Drop(room=5, reason="refused"))
     assert mgr.dropped == 1 and [n for _, n, _ in mgr._early[5]] == [
         notes.Drop(room=5, reason="refused")]
+
+
+class _Side:
+    """A manager's side state as the sender and receiver read it: one component."""
+
+    def __init__(self, kind: str, split: str) -> None:
+        self.kinds = [kind]
+        self.groups = [types.SimpleNamespace(component=0, kind=kind, split=split)]
+
+    def equal_tp_only(self):
+        return sorted({g.kind for g in self.groups if g.split == "item"})
+
+
+def test_a_prefill_refuses_side_state_of_unknown_split_for_another_tp_degree():
+    """The prefill checks too (a decode that did not refuse, or lied): Mamba state asked
+    by a decode of TP 2 fails at its first Want, naming the kind; SWA pages by heads do
+    not."""
+    mgr = _Mgr()
+    mgr.side = _Side("mamba", "item")
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=30)
+    s.heard("dec0", notes.Want(room=30, pages=2, tp_rank=0, tp_size=2, readers=2,
+                               state_kinds=["mamba"], state=[1]), K)
+    assert s.poll() == KVPoll.Failed and "side state ['mamba'] moves only between equal TP" \
+        in s.failure
+    mgr.side = _Side("swa", "heads")
+    s = KVStreamKVSender(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=31)
+    s.heard("dec0", notes.Want(room=31, pages=2, tp_rank=0, tp_size=2, readers=2,
+                               state_kinds=["swa"], state=[1]), K)
+    assert s.poll() == KVPoll.WaitingForInput and s.failure is None
+
+
+def test_a_gathers_sources_must_offer_the_same_side_state():
+    """Decode TP 1 gathers from prefill ranks 0 and 1: a second Ready with other side state
+    counts than the first fails the request rather than pull a mix."""
+    mgr = _Mgr()
+    mgr.prefill_info_table["127.0.0.1:9"] = types.SimpleNamespace(
+        tp_size=2, dp_size=1, mla=False, page_size=16, total_kv_heads=2)
+    mgr.side = _Side("swa", "heads")
+    r = KVStreamKVReceiver(mgr=mgr, bootstrap_addr="127.0.0.1:9", bootstrap_room=32)
+    r.init(0)
+    assert len(r.srcs) == 2 and r.failure is None
+    r.send_metadata([4, 5], 1, [[7, 8]])
+    r.readied(r.srcs[0], notes.Ready(room=32, secret="s" * 16, tokens=20, pages=2,
+                                     state_secrets=["t" * 16], state=[2]))
+    assert r.failure is None and r.ready is None  # waits for rank 1
+    r.readied(r.srcs[1], notes.Ready(room=32, secret="u" * 16, tokens=20, pages=2,
+                                     state_secrets=["v" * 16], state=[1]))
+    assert r.failure is not None and "side state counts [1]" in r.failure
+
+
+@pytest.mark.parametrize("knob", [{"enable_kv_cache_sharding": True}, {"dcp_size": 2},
+                                  {"enable_dp_attention": True}, {"dp_size": 2}])
+def test_parallel_settings_kvstream_does_not_support_are_refused_at_once(knob):
+    """KV cache sharding spreads an MLA model's pages and side state over the ranks, and
+    decode context parallelism splits tokens: read as whole copies they would be wrong
+    bytes, so the manager refuses them before it registers anything."""
+    from kvstream import AdapterError
+    from kvstream.adapters.sglang.manager import KVStreamKVManager
+
+    with pytest.raises(AdapterError, match=r"does not support|for now"):
+        KVStreamKVManager(types.SimpleNamespace(), types.SimpleNamespace(value="prefill"),
+                          types.SimpleNamespace(tp_size=2, **knob), True)

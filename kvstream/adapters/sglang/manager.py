@@ -98,15 +98,23 @@ def _kv_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int, int]:
         return 0, 0
 
 
-def _hnd_pages() -> bool:
-    """Whether SGLang lays its MHA pages out heads first (``[heads, page, dim]``), which
-    the head-sliced plans (NHD: ``[page, heads, dim]``) would misread."""
-    try:
-        from sglang.srt.environ import envs
+def _pages_not_nhd() -> str:
+    """How SGLang lays out its MHA pages if not as NHD token rows ("": NHD), which the
+    head-sliced plans assume: heads first (``SGLANG_USE_HND_KVCACHE``), or AITER's
+    shuffled ``vectorized_5d`` (ROCm)."""
+    def env(name: str, default: str) -> str:
+        try:
+            from sglang.srt.environ import envs
 
-        return bool(envs.SGLANG_USE_HND_KVCACHE.get())
-    except Exception:  # another SGLang version: the environment variable itself
-        return os.environ.get("SGLANG_USE_HND_KVCACHE", "").lower() in ("1", "true", "yes")
+            return str(getattr(envs, name).get())
+        except Exception:  # another SGLang version: the environment variable itself
+            return os.environ.get(name, default)
+
+    if env("SGLANG_USE_HND_KVCACHE", "false").lower() in ("1", "true", "yes"):
+        return "HND (SGLANG_USE_HND_KVCACHE)"
+    if env("SGLANG_AITER_KV_CACHE_LAYOUT", "nhd").lower() == "vectorized_5d":
+        return "vectorized_5d (SGLANG_AITER_KV_CACHE_LAYOUT)"
+    return ""
 
 
 class _Sender(Protocol):
@@ -161,13 +169,16 @@ class KVStreamKVManager(BaseKVManager):
         self.is_mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
-        for knob in ("pp_size", "dp_size", "attn_cp_size"):
+        for knob in ("pp_size", "dp_size", "attn_cp_size", "dcp_size"):
             if int(getattr(server_args, knob, 1) or 1) != 1:
-                raise AdapterError(f"kvstream's SGLang backend runs one pipeline stage and one "
-                                   f"data-parallel rank per server (for now): {knob} = "
-                                   f"{getattr(server_args, knob)}")
-        if getattr(server_args, "enable_dp_attention", False):
-            raise AdapterError("kvstream's SGLang backend does not support DP attention yet")
+                raise AdapterError(f"kvstream's SGLang backend runs one pipeline stage, one "
+                                   f"data-parallel rank and no context parallelism per server "
+                                   f"(for now): {knob} = {getattr(server_args, knob)}")
+        for flag, what in (("enable_dp_attention", "DP attention"),
+                           ("enable_kv_cache_sharding", "KV cache sharding (each rank would "
+                            "hold a part of the MLA pages and side state, not all)")):
+            if getattr(server_args, flag, False) is True:
+                raise AdapterError(f"kvstream's SGLang backend does not support {what} yet")
         self.rank = int(args.engine_rank)
         self.tp_size = max(1, int(getattr(server_args, "tp_size", 1) or 1))
         self.page_size = int(args.page_size)
@@ -181,8 +192,8 @@ class KVStreamKVManager(BaseKVManager):
         self.opaque: str | None = None
         if getattr(args, "num_draft_entries", 0):
             heads, self.opaque = 0, "the pages carry speculative draft KV too"
-        elif not self.is_mla and int(args.page_size) > 1 and _hnd_pages():
-            heads, self.opaque = 0, "its pages are HND (SGLANG_USE_HND_KVCACHE): heads first"
+        elif not self.is_mla and int(args.page_size) > 1 and _pages_not_nhd():
+            heads, self.opaque = 0, f"its pages are {_pages_not_nhd()}, not NHD rows"
         elif not self.is_mla and heads == 0:
             self.opaque = "SGLang told this rank no KV head count (kv_head_num)"
         self.total_kv_heads = 0 if self.is_mla else total or max(1, heads) * self.tp_size
@@ -437,7 +448,12 @@ class KVStreamKVManager(BaseKVManager):
                 with self._lock:
                     self._notes_out -= 1
 
-        self.rt.spawn(send)
+        try:
+            self.rt.spawn(send)
+        except BaseException:
+            with self._lock:
+                self._notes_out -= 1
+            raise
 
 
 def _dispatch(mgr: KVStreamKVManager) -> dict[str, Any]:

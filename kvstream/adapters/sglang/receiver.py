@@ -209,15 +209,21 @@ class KVStreamKVReceiver(Side, BaseKVReceiver):
         if side is None:
             return
         first = self.readys[srcs[0]]
+        # The side agents start after their rank's: an announcement may still be on the
+        # way. One deadline for them all, so abort() (waiting for this to start) is not
+        # held past it by groups that never announce.
+        deadline = time.monotonic() + self.kv_mgr.agent.config.peer_timeout_s
         for g, (grp, agent) in enumerate(zip(side.groups, side.agents, strict=True)):
             if not first.state_secrets[g]:
                 continue
             items = self.state[grp.component][:first.state[grp.component]]
             peers = [group_instance(s, g) for s in srcs]
-            # Started after their rank's agent: an announcement may still be on the way.
-            with anyio.move_on_after(self.kv_mgr.agent.config.peer_timeout_s):
-                while any(agent.registry.announced(p) is None for p in peers):
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                while any(agent.registry.announced(p) is None for p in peers) and \
+                        self.failure is None:
                     await anyio.sleep(0.05)
+            if self.failure is not None:
+                return  # aborted or failed meanwhile: start no more pulls
             if len(srcs) > 1 and grp.split == HEADS:
                 handle = await agent.pull(rid(self.room), peers, items, mode="eager",
                                           secret=[self.readys[s].state_secrets[g] for s in srcs])
