@@ -61,6 +61,9 @@ class Book:
         self.leases: dict[tuple[str, str], Entry] = {}  # (source, request id) -> LEASE
         self.pushes: set[Entry] = set()
         self.streams: dict[str, Entry] = {}  # transfer id -> entry with a stream
+        # transfer id -> a push whose manifest is not answered yet: an Abort from its
+        # destination can overtake the answer, and must end it, not be acknowledged idly
+        self._negotiating: dict[str, Entry] = {}
         # Every entry not finished yet, ending or not, in the order they opened.
         self.live: dict[Entry, None] = {}
         self._active = 0
@@ -117,6 +120,7 @@ class Book:
         entry = self._open(Entry(Kind.PUSH, request_id, peer=peer, transfer_id=transfer_id,
                                  opened_at=now))
         self.pushes.add(entry)
+        self._negotiating[transfer_id] = entry
         return entry
 
     def offer(self, request_id: str, transfer_id: str, lease_s: float, now: float,
@@ -188,6 +192,8 @@ class Book:
                   deadline_s: float | None) -> None:
         """A stream now runs for ``entry``; the transfer's deadline counts from ``now``."""
         entry.streaming = True
+        if self._negotiating.get(entry.transfer_id) is entry:
+            del self._negotiating[entry.transfer_id]
         entry.transfer_id = transfer_id
         entry.limit_s = deadline_s or self.transfer_timeout_s
         entry.deadline = now + entry.limit_s
@@ -350,6 +356,8 @@ class Book:
         self.pushes.discard(entry)
         if self.streams.get(entry.transfer_id) is entry:
             del self.streams[entry.transfer_id]
+        if self._negotiating.get(entry.transfer_id) is entry:
+            del self._negotiating[entry.transfer_id]
         if self.live.pop(entry, False) is None:
             self._active -= entry.slot
 
@@ -461,4 +469,6 @@ class Book:
         return min(times)
 
     def lookup(self, transfer_id: str) -> Entry | None:
-        return self.streams.get(transfer_id)
+        """The live transfer ``transfer_id`` names: one streaming, or a push whose manifest
+        is not answered yet."""
+        return self.streams.get(transfer_id) or self._negotiating.get(transfer_id)

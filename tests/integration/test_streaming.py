@@ -364,3 +364,34 @@ async def test_a_staged_push_is_not_claimed_over_blocks_the_engine_has(nats_serv
         assert d.memory.read_block(0, 3).count_nonzero() == 0
         assert d.memory.read_block(0, 4).count_nonzero() == 0
         assert_at_rest(p, d)
+
+
+async def test_an_abort_that_overtakes_the_answer_to_a_push_ends_the_push(nats_server):
+    """The destination stages a push, its engine drops it at once (claimed over blocks it
+    has cached) and tells the sender, and that Abort reaches the sender before the
+    answer to its manifest does: the push must end there, not stream into a transfer
+    that is gone until its deadline (seen in a real vLLM run: the prefill held the
+    request's blocks for it)."""
+    from kvstream import InvalidBlockError, TransferAbortedError, block_hashes
+
+    lay = small_layout()
+    hashes = block_hashes(range(2 * lay.block_size), lay.block_size)
+    async with agent_pair(nats_server, "p-overtake", "d-overtake", lay, 8,
+                          p_kw={"transfer_timeout_s": 60.0}) as (p, d):
+        admit = d._admission.on_manifest
+
+        async def answer_late(msg, headers=None):
+            reply = await admit(msg, headers)  # staged: no reservation yet
+            with pytest.raises(InvalidBlockError, match="cannot skip"):
+                d.expect(msg.request_id, [3, 4], have=hashes[:1])  # dropped; the sender told
+            await anyio.sleep(0.5)  # the Abort is answered before this answer leaves
+            return reply
+
+        d._admission.on_manifest = answer_late
+        # Bound: the Abort's round trip and the answer's 0.5 s, far below the 60 s deadline
+        # the push would otherwise stream into nothing for.
+        with anyio.fail_after(10), pytest.raises(TransferAbortedError, match="aborted by"):
+            await p.push("overtaken", "d-overtake", [1, 2], block_hashes=hashes,
+                         mode="pipelined")
+        await settle(p, d)
+        assert_at_rest(p, d)
