@@ -38,6 +38,7 @@ class Liveness:
         self._seq = 0
         self._forgot_seen: dict[str, int] = {}  # peer -> its count of forgetting us
         self._last_hello = -math.inf
+        self._hello_due = False  # a hello held back by the rate, sent once it allows
         self._wake = anyio.Event()
         core.wake = self._wake.set
 
@@ -81,11 +82,24 @@ class Liveness:
     def _hello(self) -> None:
         """A peer we had not heard announce: announce back now, so that a peer that
         started after our last announcement knows us (our data paths, our memory) within a
-        round trip, not a heartbeat. At most four times a heartbeat, whoever joins."""
+        round trip, not a heartbeat. At most four times a heartbeat, whoever joins: a peer
+        that joins within that quarter is greeted once it is over (one hello for all of
+        them), not left to the next heartbeat (an instance that leaves before that would
+        never have been known to it)."""
         now = self.core.clock()
-        if now - self._last_hello >= self.core.config.heartbeat_s / 4:
+        gap = self.core.config.heartbeat_s / 4
+        if now - self._last_hello >= gap:
             self._last_hello = now
             self.core.spawn(self.announce_soon)
+        elif not self._hello_due:
+            self._hello_due = True
+            self.core.spawn(self._hello_later, self._last_hello + gap - now)
+
+    async def _hello_later(self, delay: float) -> None:
+        await anyio.sleep(delay)
+        self._hello_due = False
+        self._last_hello = self.core.clock()
+        await self.announce_soon()
 
     async def announce_soon(self) -> None:
         """Announce now, not at the next heartbeat (what peers may map has changed)."""

@@ -380,6 +380,11 @@ def main() -> None:
     report["polls"] = polls
     with open(out, "w") as f:
         json.dump(report, f)
+    if role == "decode" and scenario == "late":
+        # The scenario's premise: the prefill ranks knew this decode (a heartbeat of it
+        # reached each) before it left; a decode that exits within its first moments may
+        # have been heard by none of those it never read.
+        time.sleep(2 * mgr.agent.config.heartbeat_s)
     mgr.teardown()
 
 
