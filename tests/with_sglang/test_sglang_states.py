@@ -321,8 +321,9 @@ class _Side:
         self.kinds = [kind]
         self.groups = [types.SimpleNamespace(component=0, kind=kind, split=split)]
 
-    def equal_tp_only(self):
-        return sorted({g.kind for g in self.groups if g.split == "item"})
+    from kvstream.adapters.sglang.state import SideState
+
+    equal_tp_only = SideState.equal_tp_only  # the manager's own rule, not a copy of it
 
 
 def test_a_prefill_refuses_side_state_of_unknown_split_for_another_tp_degree():

@@ -49,14 +49,22 @@ def _timeout(name: str, default: float) -> float:
         return default
 
 
-def sglang_timeout(name: str, default: float) -> float:
-    """One of SGLang's own timeout knobs (``sglang.srt.environ.envs``: its overrides
-    apply), read when called."""
+def _sglang_env(name: str) -> Any:
+    """One of SGLang's own settings (``sglang.srt.environ.envs``: its overrides apply),
+    read when called; ``LookupError`` if this SGLang version has no such setting."""
     try:
         from sglang.srt.environ import envs
 
-        return float(getattr(envs, name).get())
-    except Exception:  # another SGLang version: the environment variable itself
+        return getattr(envs, name).get()
+    except Exception as exc:
+        raise LookupError(name) from exc
+
+
+def sglang_timeout(name: str, default: float) -> float:
+    """One of SGLang's own timeout knobs, read when called."""
+    try:
+        return float(_sglang_env(name))
+    except (LookupError, TypeError, ValueError):  # the environment variable itself
         return _timeout(name, default)
 
 
@@ -104,10 +112,8 @@ def _pages_not_nhd() -> str:
     shuffled ``vectorized_5d`` (ROCm)."""
     def env(name: str, default: str) -> str:
         try:
-            from sglang.srt.environ import envs
-
-            return str(getattr(envs, name).get())
-        except Exception:  # another SGLang version: the environment variable itself
+            return str(_sglang_env(name))
+        except LookupError:  # another SGLang version: the environment variable itself
             return os.environ.get(name, default)
 
     if env("SGLANG_USE_HND_KVCACHE", "false").lower() in ("1", "true", "yes"):
@@ -192,8 +198,8 @@ class KVStreamKVManager(BaseKVManager):
         self.opaque: str | None = None
         if getattr(args, "num_draft_entries", 0):
             heads, self.opaque = 0, "the pages carry speculative draft KV too"
-        elif not self.is_mla and int(args.page_size) > 1 and _pages_not_nhd():
-            heads, self.opaque = 0, f"its pages are {_pages_not_nhd()}, not NHD rows"
+        elif not self.is_mla and int(args.page_size) > 1 and (order := _pages_not_nhd()):
+            heads, self.opaque = 0, f"its pages are {order}, not NHD rows"
         elif not self.is_mla and heads == 0:
             self.opaque = "SGLang told this rank no KV head count (kv_head_num)"
         self.total_kv_heads = 0 if self.is_mla else total or max(1, heads) * self.tp_size
