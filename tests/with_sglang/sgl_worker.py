@@ -380,10 +380,12 @@ def main() -> None:
     report["polls"] = polls
     with open(out, "w") as f:
         json.dump(report, f)
-    if role == "decode" and scenario == "late":
-        # The scenario's premise: the prefill ranks knew this decode (a heartbeat of it
-        # reached each) before it left; a decode that exits within its first moments may
-        # have been heard by none of those it never read.
+    if role == "decode":
+        # The scenarios' premise (a real decode server lives on): the prefill ranks knew
+        # this decode (a heartbeat of it reached each) before it left. One that exits
+        # within its first moments (it refused at once, or read only rank 0) may have
+        # been heard by none of the ranks it did not read: their kept notes wait for an
+        # announcement that never comes.
         time.sleep(2 * mgr.agent.config.heartbeat_s)
     mgr.teardown()
 
