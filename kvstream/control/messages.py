@@ -71,6 +71,7 @@ PROTOCOL_VERSION: Final = 2
 MIN_PROTOCOL_VERSION: Final = 2
 
 Role = Literal["prefill", "decode", "both"]
+KVEventsState = Literal["", "ok", "waiting", "missing", "off"]
 Mode = Literal["pipelined", "eager"]
 PullMode = Literal["eager", "lazy"]
 Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]
@@ -153,6 +154,10 @@ class Announce(ControlMessage, tag="kv.announce", frozen=True):
     # Its KV events' latest stored batch ("" / 0: none), so a router that lacks it repairs.
     kv_epoch: Annotated[str, msgspec.Meta(max_length=64)] = ""
     kv_seq: Count = 0
+    # Whether its engine's KV events reach the stream, as the instance sees it: "ok"
+    # (arriving), "waiting" (none yet, nothing stored yet), "missing" (the engine stored
+    # blocks and no event followed), "off" (the engine publishes none); "": not said.
+    kv_events: KVEventsState = ""
 
 
 class Leave(ControlMessage, tag="kv.leave", frozen=True):

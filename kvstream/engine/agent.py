@@ -253,6 +253,14 @@ class Agent:
             raise ConfigError("a load is not negative")
         self._core.requests, self._core.kv_used = int(requests), int(kv_used)
 
+    def report_kv_events(self, state: m.KVEventsState) -> None:
+        """Whether the engine's KV events reach ``kv_events()`` (sent with the next
+        heartbeat, shown by routers and the proxy): "ok", "waiting" (nothing stored yet),
+        "missing" (blocks were stored and no event followed), "off" (none published)."""
+        if state not in ("", "ok", "waiting", "missing", "off"):
+            raise ConfigError(f"unknown KV events state {state!r}")
+        self._core.kv_events_state = state
+
     # -- adapters' notes ------------------------------------------------------------------
     def on_note(self, topic: str, handler: Callable[[str, bytes], None] | None) -> None:
         """Call ``handler(sender, body)`` on the agent's loop for every ``Note`` of ``topic``

@@ -85,6 +85,7 @@ class Core:
         self.forgot: dict[str, int] = {}  # peer -> how often we aborted our endpoint to it
         self.requests = self.kv_used = 0  # the engine's load, as it reports it (routers)
         self.kv_epoch, self.kv_seq = "", 0  # its KV events' latest batch (kv_events.py)
+        self.kv_events_state: m.KVEventsState = ""  # whether they flow, as the engine says
         self._control: ControlPort | None = None
         self._transport: Transport | None = None
         self._spawn: Spawn | None = None

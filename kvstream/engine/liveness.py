@@ -119,7 +119,7 @@ class Liveness:
             shared=core.paths.shared, cuda_ipc=core.paths.ipc.offer, tp=core.config.tp,
             kv_device="cpu" if mem and mem.device.type == "cpu" else "cuda" if mem else "",
             requests=core.requests, kv_used=core.kv_used, kv_epoch=core.kv_epoch,
-            kv_seq=core.kv_seq))
+            kv_seq=core.kv_seq, kv_events=core.kv_events_state))
 
     def fail_peer(self, peer: str) -> None:
         core = self.core

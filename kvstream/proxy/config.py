@@ -15,7 +15,7 @@ from kvstream.control.auth import NatsAuth
 from kvstream.control.nats_server import DEFAULT_NATS_URL
 from kvstream.control.subjects import Subjects
 
-__all__ = ["PREFILL_PARAMS", "ROUTE_HEADER", "NoPrefill", "ProxyConfig", "ProxyStatistics",
+__all__ = ["PREFILL_PARAMS", "ROUTE_HEADER", "Mode", "NoPrefill", "ProxyConfig", "ProxyStatistics",
            "Routing",
            "decode_body", "decode_only_body", "prefill_body"]
 
@@ -37,6 +37,9 @@ Routing = Literal["load", "kv"]
 # "push" (both legs at once; the prefill pushes each layer into the decode as it computes:
 # kvstream.proxy.push; pull between engines that cannot take a push).
 Transfer = Literal["pull", "push"]
+# How the proxy serves requests now (``/ready``, ``/health``): both legs, the decode leg
+# alone (no live prefill instance), or not at all (no decode instance, or "reject").
+Mode = Literal["prefill-decode", "decode-only", "unavailable"]
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +63,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # No live prefill instance, or the P leg could not reach its engine: "decode" sends the
     # request whole to a decode instance (it prefills itself), "reject" answers 503 (502).
     no_prefill: NoPrefill = "decode"
+    # Readiness (``/ready``, ``/health``'s "ready") means a prefill and a decode instance are
+    # live; True: a decode instance alone is ready too (decode-only serving is acceptable).
+    ready_decode_only: bool = False
     routing: Routing = "load"
     route_timeout_s: float = 0.5  # a router's answer (then: least loaded)
     transfer: Transfer = "pull"

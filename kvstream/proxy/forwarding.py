@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import anyio
@@ -22,6 +23,7 @@ from kvstream.control.bus import ControlBus
 from kvstream.proxy.config import ROUTE_HEADER, ProxyConfig, prefill_body
 from kvstream.proxy.inflight import Inflight
 from kvstream.proxy.push import PushPlan, prefill_push
+from kvstream.proxy.usage import SSEPatcher, patch_json
 from kvstream.routing.directory import Directory, Instance, LegRole, pick
 
 try:
@@ -33,6 +35,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 __all__ = ["HTTP_ERRORS", "Legs", "PrefillUnreachable"]
 
 log = logging.getLogger("kvstream.proxy")
+
+Cached = Callable[[], Awaitable[int | None]]  # the prefill's own cache hits, once it answered
 
 HTTP_ERRORS: Final = (aiohttp.ClientError, asyncio.TimeoutError)
 # The engine could not be reached at all: nothing was sent, try it again later only.
@@ -51,7 +55,12 @@ def _one_line(data: bytes, limit: int = 500) -> str:
 
 class PrefillUnreachable(ProxyError):
     """The P leg's engine could not be reached or dropped the connection: nothing holds KV
-    for this request that the proxy could name, so it may run decode-only."""
+    for this request that the proxy could name, so it may run decode-only. ``sent``: False
+    when the connection was never made (the engine cannot have offered anything)."""
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message, status=502, code="prefill_failed")
+        self.sent = sent
 
 
 class Legs:
@@ -100,7 +109,7 @@ class Legs:
             if isinstance(exc, _UNREACHABLE):
                 self.directory.mark_unreachable(p.url)  # until its next chance
             if isinstance(exc, (*_UNREACHABLE, *_CONNECTION_LOST)):
-                raise PrefillUnreachable(why, status=502, code="prefill_failed") from exc
+                raise PrefillUnreachable(why, sent=not isinstance(exc, _UNREACHABLE)) from exc
             raise ProxyError(why, status=502, code="prefill_failed") from exc
         finally:
             self._inflight[p.url] -= 1
@@ -119,10 +128,11 @@ class Legs:
 
     async def _decode(self, request: web.Request, d_body: dict[str, Any],
                       params: dict[str, Any] | None, headers: dict[str, str],
-                      route: str, chosen: Instance | None = None
-                      ) -> tuple[web.StreamResponse, Instance]:
+                      route: str, chosen: Instance | None = None,
+                      cached: Cached | None = None) -> tuple[web.StreamResponse, Instance]:
         """The D leg with ``d_body`` (on ``chosen``, else the least loaded); ``params``:
-        the P leg's offer, released if D fails."""
+        the P leg's offer, released if D fails; ``cached``: the prefill's own cache hits,
+        written into the answer's usage (``usage.py``)."""
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                         sock_read=cfg.decode_read_timeout_s)
@@ -158,25 +168,45 @@ class Legs:
                                         content_type=resp.content_type,
                                         headers={"X-Request-Id": headers["X-Request-Id"],
                                                  ROUTE_HEADER: route}), d
-                return await self._relay(request, resp, d, headers["X-Request-Id"], route), d
+                return await self._relay(request, resp, d, headers["X-Request-Id"], route,
+                                         cached), d
         finally:
             self._inflight[d.url] -= 1
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Instance,
-                     request_id: str, route: str) -> web.StreamResponse:
+                     request_id: str, route: str, cached: Cached | None = None
+                     ) -> web.StreamResponse:
         """Pass the D leg's body through chunk by chunk (SSE events as they come)."""
+        if cached is not None and resp.content_type == "application/json":
+            try:
+                body = await resp.read()
+            except HTTP_ERRORS as exc:
+                self._counts["decode_errors"] += 1
+                raise ProxyError(f"decode {d.url} failed: {str(exc) or type(exc).__name__}",
+                                 status=502, code="decode_failed") from exc
+            hits = await cached()
+            return web.Response(status=resp.status, content_type=resp.content_type,
+                                body=body if hits is None else patch_json(body, hits),
+                                headers={"X-Request-Id": request_id, ROUTE_HEADER: route})
+        sse = SSEPatcher() if cached is not None else None
         out = web.StreamResponse(status=resp.status)
         out.content_type = resp.content_type
         if resp.charset:
             out.charset = resp.charset
         out.headers["X-Request-Id"] = request_id
         out.headers[ROUTE_HEADER] = route
-        if resp.content_length is not None:
+        if resp.content_length is not None and sse is None:
             out.content_length = resp.content_length
         await out.prepare(request)
         try:
             async for chunk in resp.content.iter_any():
+                if sse is not None:
+                    if sse.cached is None and cached is not None and sse.needs(chunk):
+                        sse.cached = await cached()
+                    chunk = sse.feed(chunk)
                 await out.write(chunk)
+            if sse is not None:
+                await out.write(sse.flush())
         except ConnectionResetError:  # the client left; closing resp tells the engine
             log.info("%s: the client went away mid-stream", request_id)
             return out
@@ -189,7 +219,13 @@ class Legs:
             if request.transport is not None:
                 request.transport.close()
             return out
-        await out.write_eof()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+            # The client had the whole body (a streamed one ends with its [DONE] event) and
+            # closed first: the request succeeded, nothing to report beyond its INFO line.
+            log.debug("%s: the client closed before the response's end was written",
+                      request_id)
         return out
 
     async def _release(self, params: dict[str, Any] | None, reason: str) -> None:

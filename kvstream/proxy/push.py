@@ -103,11 +103,14 @@ def decode_ranks(plan: PushPlan) -> list[str]:
     return [f"{plan.decode}-tp{r}" for r in range(plan.tp_size)]
 
 
-async def note_failed(bus: ControlBus, subjects: Subjects, plan: PushPlan, reason: str) -> None:
+async def note_failed(bus: ControlBus, subjects: Subjects, plan: PushPlan, reason: str, *,
+                      offered: bool = True) -> None:
     """Tell every decode rank the push will not come (the prefill leg failed before its
     engine's ranks could say so themselves): they pull or recompute now instead of waiting
-    out their reservations. Best effort: a lost note leaves that bound."""
-    msg = note_message(plan.push_id, "failed", reason)
+    out their reservations; ``offered=False`` (the prefill engine was never reached, so
+    nothing was offered): they recompute without trying a pull. Best effort: a lost note
+    leaves that bound."""
+    msg = note_message(plan.push_id, "failed", reason, offered=offered)
     for inst in decode_ranks(plan):
         try:
             await bus.publish(subjects.control(inst), msg)

@@ -26,6 +26,7 @@ from kvstream.control.messages import Announce, Leave
 from kvstream.control.registry import Registry
 from kvstream.control.subjects import Subjects
 from kvstream.proxy.config import (
+    Mode,
     ProxyConfig,
     ProxyStatistics,
     decode_body,
@@ -35,6 +36,7 @@ from kvstream.proxy.forwarding import HTTP_ERRORS, Legs, PrefillUnreachable
 from kvstream.proxy.inflight import Inflight
 from kvstream.proxy.kv_route import block_sizes, prompt_tokens, route_request
 from kvstream.proxy.push import PushPlan, decode_params, note_failed, push_plan
+from kvstream.proxy.usage import prefill_cached
 from kvstream.routing.directory import Directory, Instance, LegRole
 from kvstream.telemetry import open_span, route_decided
 
@@ -129,6 +131,7 @@ class Proxy(Legs):
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
         # Leaving waits up to aiohttp's shutdown_timeout (60 s) for responses in flight.
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -211,22 +214,34 @@ class Proxy(Legs):
         d_params = decode_params(plan, by=self.proxy_id)
         rid = headers["X-Request-Id"]
 
-        async def p_leg() -> None:  # its answer is only its errors
+        async def p_leg() -> int | None:  # the prefill's own cache hits, or its errors
             try:
-                await self._prefill(p, request.path, body, headers, plan)
+                return prefill_cached(await self._prefill(p, request.path, body, headers,
+                                                          plan))
             except Exception as exc:  # whatever it was, the decode ranks must hear of it
                 self._counts["push_failed"] += 1
+                # An engine never reached offered nothing: the decode recomputes at once
+                # (a pull would wait for an answer from a dead engine).
+                offered = not (isinstance(exc, PrefillUnreachable) and not exc.sent)
                 log.warning("%s: the prefill leg of a push failed (%s); the decode engine "
-                            "pulls or recomputes", rid, exc)
+                            "%s", rid, exc, "pulls or recomputes" if offered else "recomputes")
                 if self._bus is not None:
                     with anyio.move_on_after(self.config.abort_timeout_s):
-                        await note_failed(self._bus, self._subjects, plan, str(exc))
+                        await note_failed(self._bus, self._subjects, plan, str(exc),
+                                          offered=offered)
+                return None
 
         prefill = asyncio.ensure_future(p_leg())
+
+        async def cached() -> int | None:
+            # The decode's answer ends after the push's KV came, so the prefill has (almost
+            # always) answered; its leg ends within prefill_timeout_s anyway.
+            return await asyncio.shield(prefill)
+
         # ``d_params`` name the prefill's offer of the push: released if D fails.
         try:
             response, d = await self._decode(request, decode_body(body, d_params), d_params,
-                                             headers, "prefill-decode-push", d)
+                                             headers, "prefill-decode-push", d, cached)
         except BaseException:  # D failed or the client left: stop computing for nobody
             prefill.cancel()
             raise
@@ -324,19 +339,40 @@ class Proxy(Legs):
             raise ProxyError(f"decode {d.url} failed: {str(exc) or type(exc).__name__}",
                              status=502, code="decode_failed") from exc
 
+    def readiness(self) -> tuple[bool, Mode]:
+        """Whether a load balancer should send requests here, and how they would be served:
+        ready with a live prefill and decode instance; with a decode instance alone only
+        if ``ready_decode_only`` (decode-only serving is then the operator's choice)."""
+        has_p = bool(self.directory.instances("prefill"))
+        has_d = bool(self.directory.instances("decode"))
+        if has_p and has_d:
+            return True, "prefill-decode"
+        if has_d and self.config.no_prefill == "decode":
+            return self.config.ready_decode_only, "decode-only"
+        return False, "unavailable"
+
+    async def _ready(self, request: web.Request) -> web.StreamResponse:
+        ready, mode = self.readiness()
+        return web.json_response({"ready": ready, "mode": mode}, status=200 if ready else 503)
+
     async def _health(self, request: web.Request) -> web.StreamResponse:
         def describe(role: LegRole) -> list[dict[str, Any]]:
             return [{"url": i.url, "instances": list(i.instance_ids), "load": i.load,
-                     "inflight": self._inflight[i.url]} for i in self.directory.instances(role)]
+                     "inflight": self._inflight[i.url], "kv_events": i.kv_events}
+                    for i in self.directory.instances(role)]
 
         prefill, decode = describe("prefill"), describe("decode")
-        decode_only = bool(decode) and not prefill and self.config.no_prefill == "decode"
+        ready, mode = self.readiness()
         stats = msgspec.structs.asdict(self.statistics())
         del stats["inflight"]  # per instance above
-        return web.json_response({"status": "ok", "proxy_id": self.proxy_id,
-                                  "ready": bool(prefill and decode) or decode_only,
-                                  "decode_only": decode_only, "nats": self._bus is not None,
-                                  "prefill": prefill, "decode": decode, "counts": stats})
+        # Engines whose KV events no router gets: routing by prefix is blind to them.
+        blind = sorted({i["url"] for i in (*prefill, *decode)
+                        if i["kv_events"] in ("missing", "off")})
+        return web.json_response({"status": "ok", "proxy_id": self.proxy_id, "ready": ready,
+                                  "mode": mode, "decode_only": mode == "decode-only",
+                                  "nats": self._bus is not None, "prefill": prefill,
+                                  "decode": decode, "kv_events_missing": blind,
+                                  "counts": stats})
 
     def statistics(self) -> ProxyStatistics:
         c = self._counts

@@ -31,6 +31,13 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     # kvstream instances announcing this URL (several for TP ranks); () for a static URL.
     instance_ids: tuple[str, ...] = ()
     load: float = 0.0  # the largest ``Announce.load`` among them (transfers in flight)
+    # What its instances say of their KV events, the worst first ("": not said)
+    kv_events: str = ""
+
+
+# The states ``Announce.kv_events`` names, the worst first: a router is blind to an engine
+# whose events are "missing" or "off".
+_EVENT_STATES = ("missing", "off", "waiting", "ok", "")
 
 
 def pick(instances: Sequence[Instance], inflight: Mapping[str, int], turn: int) -> Instance | None:
@@ -96,7 +103,9 @@ class Directory:
                 announced.setdefault(a.endpoint.rstrip("/"), []).append(a)
         for url, group in announced.items():
             found[url] = Instance(url=url, instance_ids=tuple(sorted(a.instance_id for a in group)),
-                                  load=max(a.load for a in group))
+                                  load=max(a.load for a in group),
+                                  kv_events=min((a.kv_events for a in group),
+                                                key=_EVENT_STATES.index))
         return [i for url, i in found.items() if url not in self._unreachable]
 
     def engine_instances(self, engine_id: str) -> list[str]:

@@ -74,6 +74,7 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     resyncs: int  # instances asked to list their blocks afresh
     refused: int  # batches not applied (unsigned, not their sender's, over the bounds)
     instances: int  # instances with a view
+    blind: int = 0  # live instances whose KV events are missing or off (their announcement)
 
 
 def engine_load(announced: list[int], own: int, recent: int) -> float:
@@ -135,6 +136,7 @@ class Router:
         self._asked: dict[str, float] = {}  # when an instance was last asked for a listing
         self._keys: dict[str, bytes] = {}  # the announced key each view was read under
         self._heard: dict[str, tuple[str, int]] = {}  # the latest batch each announced
+        self._blind: dict[str, str] = {}  # instances whose events are missing or off: why
         self._turn: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
 
@@ -186,9 +188,30 @@ class Router:
             self.index.forget(iid)
             self._keys.pop(iid, None)
             self._heard.pop(iid, None)
+            self._blind.pop(iid, None)
         elif isinstance(msg, m.Announce):
+            self._check_events(msg)
             self._check_view(msg)
         return None
+
+    def _check_events(self, ann: m.Announce) -> None:
+        """Say (once per change) when an instance's KV events do not reach the stream:
+        routing by prefix cannot see what it holds."""
+        iid, state = ann.instance_id, ann.kv_events
+        was = self._blind.get(iid)
+        if state in ("missing", "off"):
+            if was != state:
+                log.warning("router %s: %s's KV events are %s (%s): routing by prefix is "
+                            "blind to it", self.router_id, iid, state,
+                            "it stored blocks and published no event" if state == "missing"
+                            else "its engine publishes none")
+                self._blind[iid] = state
+                if len(self._blind) > self.index.max_instances:
+                    self._blind.pop(next(iter(self._blind)))
+        elif was is not None:
+            log.info("router %s: %s's KV events arrive (%s)", self.router_id, iid,
+                     state or "not said")
+            del self._blind[iid]
 
     def _check_view(self, ann: m.Announce) -> None:
         """Repair ``ann``'s instance's view when its key is new to this router (its events
@@ -335,4 +358,6 @@ class Router:
         return RouterStatistics(routed=c["routed"], events=c["events"], gaps=c["gaps"],
                                 repairs=c["repairs"], resyncs=c["resyncs"],
                                 refused=c["refused"] + self.index.refused,
-                                instances=len(self.index))
+                                instances=len(self.index),
+                                blind=sum(1 for i in self._blind
+                                          if self.directory.registry.alive(i)))

@@ -126,6 +126,9 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
               show_default=True,
               help="no live prefill instance, or its engine cannot be reached: run the request "
                    "whole on a decode instance (decode), or answer 503 (reject)")
+@click.option("--ready-decode-only", is_flag=True,
+              help="/ready answers 200 with a decode instance alone (requests are then "
+                   "served decode-only); by default readiness needs a prefill and a decode")
 @click.option("--routing", type=click.Choice(["load", "kv"]), default="load", show_default=True,
               help="place the legs least-loaded here (load), or ask the routers of the "
                    "namespace (`kvstream router`), which weigh each engine's cached prefix "
@@ -141,8 +144,8 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
 def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_nats: bool,
           namespace: str,
           prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], peer_timeout: float,
-          timeout: float, no_prefill: str, routing: str, transfer: str,
-          log_level: str) -> None:
+          timeout: float, no_prefill: str, ready_decode_only: bool, routing: str,
+          transfer: str, log_level: str) -> None:
     """OpenAI-compatible prefill/decode proxy over the registry.
 
     Engines are found in the kvstream registry on NATS (or given with --prefill and
@@ -164,6 +167,7 @@ def proxy(host: str, port: int, nats_url: str | None, nats_auth: NatsAuth, no_na
                          prefill=prefill_urls, decode=decode_urls, peer_timeout_s=peer_timeout,
                          prefill_timeout_s=timeout, decode_read_timeout_s=timeout,
                          no_prefill=no_prefill,  # type: ignore[arg-type]
+                         ready_decode_only=ready_decode_only,
                          routing=routing,  # type: ignore[arg-type]
                          transfer=transfer)  # type: ignore[arg-type]
 

@@ -4,6 +4,7 @@ nats-server and real agents announcing the engines' endpoints."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +52,8 @@ class FakeEngine:
         self.hold = hold
         self.release = anyio.Event()
         self.gate: anyio.Event | None = None
+        self.eof_gate: anyio.Event | None = None  # holds the end of a stream after [DONE]
+        self.usage: dict[str, Any] | None = None  # the D answer's usage, if any
         self.die_mid_stream = False
         self.received: list[tuple[str, dict[str, Any], Mapping[str, str]]] = []
         self.url = ""
@@ -85,10 +88,18 @@ class FakeEngine:
                 return out
             if self.gate is not None:
                 await self.gate.wait()
+            if self.usage is not None:
+                await out.write(b"data: " + json.dumps({"choices": [],
+                                                        "usage": self.usage}).encode() + b"\n\n")
             await out.write(SSE[-1])
+            if self.eof_gate is not None:
+                await self.eof_gate.wait()
             await out.write_eof()
             return out
-        return web.json_response({"choices": [{"text": f"decoded by {self.name}"}]})
+        answer: dict[str, Any] = {"choices": [{"text": f"decoded by {self.name}"}]}
+        if self.usage is not None:
+            answer["usage"] = self.usage
+        return web.json_response(answer)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
@@ -127,8 +138,9 @@ async def serving(*engines: FakeEngine):
     finally:
         for engine in engines:  # nothing may wait on a failed test's teardown
             engine.release.set()
-            if engine.gate is not None:
-                engine.gate.set()
+            for gate in (engine.gate, engine.eof_gate):
+                if gate is not None:
+                    gate.set()
         for runner in runners:
             await runner.cleanup()
 
@@ -218,6 +230,36 @@ async def test_streaming_passes_sse_through_as_it_comes():
         assert d_body["max_completion_tokens"] == 7 and "max_tokens" not in d_body
         assert d_body["kv_transfer_params"]["remote_request_id"] == f"cmpl-{echoed}-0"
         assert p_headers["X-Request-Id"] == d_headers["X-Request-Id"] == echoed != ""
+
+
+async def test_a_client_closing_after_done_is_a_success_not_an_error(caplog):
+    """The client reads the stream up to its [DONE] event and hangs up before the proxy
+    has ended the response (the engine's end comes later): no ERROR, no traceback, and the
+    request's INFO line is there."""
+    caplog.set_level(logging.INFO)
+    p_eng, d_eng = FakeEngine("p"), FakeEngine("d")
+    d_eng.eof_gate = anyio.Event()
+    async with serving(p_eng, d_eng), \
+            proxy_and_client(nats_url=None, prefill=(p_eng.url,), decode=(d_eng.url,)) \
+            as (proxy, client):
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        with anyio.fail_after(5):
+            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+                got = b""
+                while not got.endswith(SSE[-1]):
+                    got += await resp.content.readany()
+                rid = resp.headers["X-Request-Id"]
+                assert resp.connection is not None
+                resp.connection.transport.close()  # type: ignore[union-attr]
+            await anyio.sleep(0.1)  # the proxy sees the client gone
+            d_eng.eof_gate.set()
+            while not _proxy_records(caplog, logging.INFO, f"{rid} /v1/completions"):
+                await anyio.sleep(0.02)
+        assert got == b"".join(SSE)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    line, = _proxy_records(caplog, logging.INFO, f"{rid} /v1/completions")
+    assert ": 200 (" in line
 
 
 async def test_least_loaded_decode_gets_the_next_requests():
@@ -366,7 +408,13 @@ async def test_no_live_prefill_serves_decode_only_until_one_is_back(nats_server,
         await until_routable(proxy, 0, 1)
         async with client.get(proxy.url + "/health") as resp:
             health = await resp.json()
-        assert health["ready"] is True and health["decode_only"] is True
+        # Serving decode-only, and not ready: a load balancer should prefer a proxy with
+        # both legs (the operator opts in with ready_decode_only, below).
+        assert health["ready"] is False and health["mode"] == "decode-only"
+        assert health["decode_only"] is True
+        async with client.get(proxy.url + "/ready") as resp:
+            assert resp.status == 503
+            assert await resp.json() == {"ready": False, "mode": "decode-only"}
         # The client's own kv_transfer_params must not reach the engine: it would wait for KV.
         body = {"model": "m", "prompt": "hello", "max_tokens": 5,
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"}}
@@ -387,6 +435,9 @@ async def test_no_live_prefill_serves_decode_only_until_one_is_back(nats_server,
         async with Agent(cfg("px-donly-p", nats_server, namespace=ns, role="prefill",
                              endpoint=p_eng.url)):
             await until_routable(proxy, 1, 1)
+            async with client.get(proxy.url + "/ready") as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"ready": True, "mode": "prefill-decode"}
             async with client.post(proxy.url + "/v1/completions", json=whole) as resp:
                 assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode"
             assert len(p_eng.received) == 1
@@ -394,6 +445,23 @@ async def test_no_live_prefill_serves_decode_only_until_one_is_back(nats_server,
         assert _proxy_records(caplog, logging.INFO, "prefill/decode again") == [
             f"serving requests prefill/decode again: prefill {p_eng.url} answered"]
         assert proxy.statistics().decode_only == 2
+
+
+async def test_decode_only_is_ready_when_the_operator_says_so(nats_server):
+    d_eng = FakeEngine("d")
+    ns = "px-dready"
+    async with serving(d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace=ns, ready_decode_only=True) \
+            as (proxy, client):
+        async with client.get(proxy.url + "/ready") as resp:  # nothing live yet
+            assert resp.status == 503
+            assert await resp.json() == {"ready": False, "mode": "unavailable"}
+        async with Agent(cfg("px-dready-d", nats_server, namespace=ns, role="decode",
+                             endpoint=d_eng.url)):
+            await until_routable(proxy, 0, 1)
+            async with client.get(proxy.url + "/ready") as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"ready": True, "mode": "decode-only"}
 
 
 async def test_no_live_prefill_rejected_when_configured(nats_server):
@@ -412,6 +480,7 @@ async def test_no_live_prefill_rejected_when_configured(nats_server):
         async with client.get(proxy.url + "/health") as resp:
             health = await resp.json()
         assert health["ready"] is False and health["decode_only"] is False
+        assert health["mode"] == "unavailable"
         assert d_eng.received == [] and proxy.statistics().decode_only == 0
 
 
@@ -546,5 +615,73 @@ async def test_a_failed_prefill_leg_of_a_push_tells_every_decode_rank_at_once(na
         assert note is not None and note.state == "failed"
         assert note.push_id == d_body["kv_transfer_params"]["remote_request_id"]
         assert "500" in note.reason, note
+        assert note.offered is True  # the engine had the request: it may have offered
         stats = proxy.statistics()
         assert stats.pushed == 1 and stats.push_failed == 1 and stats.prefill_errors == 1
+
+
+async def test_a_push_whose_prefill_engine_is_unreachable_is_noted_as_never_offered(
+        nats_server):
+    """The prefill engine died (its agent still announced, nothing listens at its URL): the
+    proxy's note says nothing was offered, so the decode rank recomputes without a pull."""
+    from kvstream.control.push_notes import PUSH_TOPIC, decode_note
+
+    lay = small_layout()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens at the prefill's URL
+    d_eng = FakeEngine("d", hold=lambda body: True)  # answers once the note came
+    notes: list[tuple[str, object]] = []
+    ns = "px-pushu"
+    async with serving(d_eng), \
+            proxy_and_client(nats_url=nats_server.url, namespace=ns, transfer="push") \
+            as (proxy, client), \
+            Agent(cfg("px-up", nats_server, namespace=ns, role="prefill", endpoint=dead),
+                  layout=lay, kv_caches=cache(lay, 8, fill=False)), \
+            Agent(cfg("px-ud", nats_server, namespace=ns, role="decode", endpoint=d_eng.url),
+                  layout=lay, kv_caches=cache(lay, 8, fill=False)) as decode:
+        def on_note(sender: str, body: bytes) -> None:
+            notes.append((sender, decode_note(body)))
+            d_eng.release.set()
+
+        decode.on_note(PUSH_TOPIC, on_note)
+        await until_routable(proxy, 1, 1)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
+        with anyio.fail_after(20):
+            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+        (sender, note), = notes
+        assert sender == proxy.proxy_id and note is not None and note.state == "failed"
+        assert note.offered is False and "Cannot connect" in note.reason, note
+        assert proxy.statistics().push_failed == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_push_reports_the_prefills_own_cache_hits_as_cached_tokens(nats_server,
+                                                                          stream):
+    """``usage.prompt_tokens_details.cached_tokens`` means the prefill engine's own cache
+    hits in both modes (vLLM's meaning): a push's decode engine counts the pushed prompt
+    as cached, so the proxy writes the prefill's figure into its answer."""
+    lay = small_layout()
+
+    def offer(rid: str) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "remote_engine_id": "px-cp",
+                "remote_request_id": f"cmpl-{rid}-0", "remote_block_ids": [[1]],
+                "remote_prefill_cached_tokens": 7}
+
+    p_eng, d_eng = FakeEngine("p", offer=offer), FakeEngine("d")
+    d_eng.usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                   "prompt_tokens_details": {"cached_tokens": 39}}
+    async with push_pair(nats_server, f"px-cached{int(stream)}", ("px-cp", "px-cd"), p_eng,
+                         d_eng, lay) as (proxy, client, _):
+        await until_routable(proxy, 1, 1)
+        body = {"model": "m", "prompt": "hello", "max_tokens": 2, "stream": stream}
+        async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and resp.headers[ROUTE_HEADER] == "prefill-decode-push"
+            raw = await resp.read()
+    if stream:
+        events = [json.loads(line[6:]) for line in raw.split(b"\n")
+                  if line.startswith(b"data: {")]
+        usage = events[-1]["usage"]
+        assert raw.endswith(SSE[-1]) and len(events) == 3
+    else:
+        usage = json.loads(raw)["usage"]
+    assert usage == {**d_eng.usage, "prompt_tokens_details": {"cached_tokens": 7}}

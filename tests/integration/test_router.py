@@ -11,7 +11,7 @@ import anyio
 import nats
 import pytest
 
-from kvstream import Agent, ControlPlaneError
+from kvstream import Agent, ConfigError, ControlPlaneError
 from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
 from kvstream.control.identity import Identity
@@ -259,3 +259,43 @@ async def test_kept_reads_all_a_subject_keeps_or_fails(nats_server):
         with pytest.raises(ControlPlaneError):
             await bus.kept(subjects.kv_events("kp"), stream, limit=10)
         assert await bus.kept(subjects.kv_events("nobody"), stream) == []
+
+
+async def test_an_instance_whose_events_are_missing_is_named_by_the_router_and_the_proxy(
+        nats_server, caplog):
+    """An engine says its KV events do not arrive (its bridge heard nothing after vLLM
+    stored blocks): the router warns once, counts it blind, and the proxy's ``/health``
+    names the engine; once its events arrive again, both say so."""
+    import logging
+
+    import aiohttp
+
+    from kvstream.proxy import Proxy, ProxyConfig
+
+    caplog.set_level(logging.INFO, logger="kvstream.router")
+    ns = _ns()
+    rcfg = RouterConfig(nats_url=nats_server.url, namespace=ns, peer_timeout_s=2.0)
+    pcfg = ProxyConfig(port=0, nats_url=nats_server.url, namespace=ns, routing="kv")
+    async with Router(rcfg) as router, Proxy(pcfg) as proxy, \
+            aiohttp.ClientSession() as http, _agent("pm", ns, nats_server, 9111) as a:
+        async def health() -> dict:
+            async with http.get(proxy.url + "/health") as resp:
+                return await resp.json()
+
+        a.report_kv_events("missing")
+        with anyio.fail_after(10):
+            while router.statistics().blind != 1 or not (await health())["kv_events_missing"]:
+                await anyio.sleep(0.05)
+        h = await health()
+        assert h["kv_events_missing"] == ["http://127.0.0.1:9111"]
+        assert h["prefill"][0]["kv_events"] == "missing"
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                  and "pm's KV events are missing" in r.getMessage()]
+        assert len(warned) == 1, warned  # once, not every heartbeat
+        a.report_kv_events("ok")
+        with anyio.fail_after(10):
+            while router.statistics().blind or (await health())["kv_events_missing"]:
+                await anyio.sleep(0.05)
+        assert any("pm's KV events arrive" in r.getMessage() for r in caplog.records)
+        with pytest.raises(ConfigError, match="unknown KV events state"):
+            a.report_kv_events("fine")  # type: ignore[arg-type]

@@ -23,7 +23,13 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from kvstream.adapters.vllm.kv_events import EventBridge, HashBridge, subscriber_endpoint
+from kvstream.adapters.vllm.kv_events import (
+    EventBridge,
+    EventsWatch,
+    HashBridge,
+    publisher_binds,
+    subscriber,
+)
 from kvstream.control.nats_server import free_port
 from kvstream.prefix import block_hashes
 
@@ -58,12 +64,23 @@ def test_stored_blocks_become_kvstream_hashes_across_events_and_removals_map_thr
     assert got[-1] == ("cleared", [])  # after a clear the old parents are unknown
 
 
-def test_the_bridge_follows_vllms_publisher_and_a_gap_clears_the_view():
+@pytest.mark.parametrize("kind", ["wildcard", "loopback", "ipc"])
+def test_the_bridge_follows_vllms_publisher_and_a_gap_clears_the_view(kind, tmp_path):
+    """vLLM binds a wildcard or ipc endpoint and connects to any other address (a
+    loopback one too): the bridge meets it either way, and says which it did."""
     port = free_port()
-    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
+    endpoint = {"wildcard": f"tcp://*:{port}", "loopback": f"tcp://127.0.0.1:{port}",
+                "ipc": f"ipc://{tmp_path}/kv-events"}[kind]
+    where, bind = subscriber(endpoint)
+    assert bind == (kind == "loopback") == (not publisher_binds(endpoint))
+    assert bind == (not ZmqEventPublisher._is_bind_endpoint(endpoint))  # vLLM's own rule
     got: list = []
-    bridge = EventBridge(subscriber_endpoint(f"tcp://*:{port}"), "kv", BS,
-                         lambda kind, hashes: got.append((kind, hashes)))
+    # The bridge first when it binds (vLLM's connecting socket then reaches it).
+    bridge = EventBridge(where, "kv", BS, lambda kind, hashes: got.append((kind, hashes)),
+                         bind=bind) if bind else None
+    pub = ZmqEventPublisher(0, endpoint=endpoint, topic="kv")
+    if bridge is None:
+        bridge = EventBridge(where, "kv", BS, lambda kind, hashes: got.append((kind, hashes)))
     try:
         deadline = time.monotonic() + 20
         while not got and time.monotonic() < deadline:  # until the subscription is live
@@ -71,6 +88,7 @@ def test_the_bridge_follows_vllms_publisher_and_a_gap_clears_the_view():
                 stored([b"v0", b"v1"], None, TOKENS[:8])]))
             time.sleep(0.1)
         assert got and got[0] == ("stored", block_hashes(TOKENS[:8], BS))
+        assert bridge.state(time.monotonic()) == "ok"
     finally:
         bridge.close()
         pub.shutdown()
@@ -94,3 +112,33 @@ def test_the_bridge_follows_vllms_publisher_and_a_gap_clears_the_view():
         assert quiet.malformed == 2
     finally:
         quiet.close()
+
+
+def test_the_watch_says_missing_when_filled_blocks_bring_no_event():
+    watch = EventsWatch(after_s=10.0)
+    assert watch.state(0.0) == "waiting"
+    watch.filled(0, 1.0)  # a step that filled nothing expects nothing
+    assert watch.state(50.0) == "waiting"
+    watch.filled(2, 100.0)
+    watch.filled(1, 105.0)  # the first unheard fill counts
+    assert watch.state(109.9) == "waiting" and watch.state(110.0) == "missing"
+    watch.batch()
+    assert watch.state(111.0) == "ok"
+    watch.filled(1, 200.0)  # events stop later on
+    assert watch.state(205.0) == "ok" and watch.state(210.0) == "missing"
+    watch.batch()
+    assert watch.state(210.0) == "ok"
+
+
+def test_blocks_filled_counts_the_blocks_a_step_completes():
+    from types import SimpleNamespace
+
+    from kvstream.adapters.vllm.scheduler import blocks_filled
+
+    out = SimpleNamespace(
+        num_scheduled_tokens={"a": 70, "b": 1, "c": 1, "d": 5},
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0),
+                            SimpleNamespace(req_id="d", num_computed_tokens=32)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["b", "c"], num_computed_tokens=[31, 40]))
+    # a: 0 -> 70 fills 2 blocks of 32; b: 31 -> 32 fills 1; c: 40 -> 41 none; d: 32 -> 37 none
+    assert blocks_filled(out, 32) == 3  # type: ignore[arg-type]

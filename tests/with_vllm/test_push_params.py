@@ -50,6 +50,10 @@ def test_notes_are_validated_before_use():
                                       reason="why"))
     assert decode_note(ok) == PushNote(push_id="push-0123456789abcdef", state="failed",
                                        reason="why")
+    never = PushNote(push_id="push-0123456789abcdef", state="failed", offered=False)
+    assert decode_note(msgspec.json.encode(never)) == never
+    assert b"offered" not in msgspec.json.encode(PushNote(push_id="push-0123456789abcdef",
+                                                          state="failed"))  # older peers
     for bad in (b"", b"{}", b"\xff" * 10, b'{"push_id": "push-0123456789abcdef"}',
                 b'{"push_id": "push-0123456789abcdef", "state": "eaten"}',
                 b'{"push_id": "x", "state": "failed"}',
@@ -72,8 +76,10 @@ class _Reservation:
         self._ended.set()
 
     async def result(self):
+        from types import SimpleNamespace
+
         await self._ended.wait()
-        return self.why
+        return SimpleNamespace(ok=False, reason=self.why)
 
 
 class _Agent:
@@ -119,7 +125,7 @@ async def test_a_failed_note_counts_from_the_source_rank_or_the_proxy_that_plann
 
         with anyio.fail_after(10):
             got = await pushes.take(agent, PID, [1, 2], [], "vllm-p", started, by="proxy-1")
-        assert "proxy-1" in got and "500" in got
+        assert "proxy-1" in got.reason and "500" in got.reason
         # A note that comes before the decode rank expects is kept for then: from the proxy
         # it ends the next take at once (a stranger's later one does not hide it), from a
         # stranger it does not.
@@ -135,7 +141,22 @@ async def test_a_failed_note_counts_from_the_source_rank_or_the_proxy_that_plann
 
         with anyio.fail_after(10):
             got = await pushes.take(agent, PID, [1], [], "vllm-p", src_fails)
-        assert "vllm-p" in got
+        assert "vllm-p" in got.reason
+        # The proxy could not reach the prefill engine: nothing was offered, and the take
+        # says so (the load recomputes without a pull), whether the note came first or not.
+        never = PushNote(push_id=PID, state="failed", reason="Cannot connect", offered=False)
+
+        async def unreachable(handle) -> None:
+            pushes.on_failed("proxy-1", never)
+
+        for early in (False, True):
+            if early:
+                pushes.on_failed("proxy-1", never)
+            with anyio.fail_after(10), pytest.raises(NoPush, match="Cannot connect") as err:
+                await pushes.take(agent, PID, [1], [], "vllm-p",
+                                  (lambda h: anyio.sleep(0)) if early else unreachable,
+                                  by="proxy-1")
+            assert err.value.offered is False
         tg.cancel_scope.cancel()
 
 
@@ -182,6 +203,6 @@ def test_early_failed_notes_are_bounded_per_sender():
         pushes.on_failed("flooder", PushNote(push_id=f"push-{i:016d}", state="failed"))
     pushes.on_failed("proxy-1", PushNote(push_id=PID, state="failed", reason="P leg: 502"))
     assert len(pushes._failed) == MAX_EARLY_PER_SENDER + 1
-    assert pushes._failed[PID, "proxy-1"] == "P leg: 502"
+    assert pushes._failed[PID, "proxy-1"].reason == "P leg: 502"
     assert ("push-" + "0" * 16, "flooder") not in pushes._failed  # its oldest went
     assert (f"push-{MAX_EARLY_PER_SENDER + 49:016d}", "flooder") in pushes._failed

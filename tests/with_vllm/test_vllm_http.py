@@ -120,13 +120,18 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
                 env = E.engine_env(events)
                 if role == "decode":  # its per-load INFO lines are checked
                     env["VLLM_LOGGING_LEVEL"] = "INFO"
-                # vLLM's own KV cache events, bridged by the connector for the routers.
+                # vLLM's own KV cache events, bridged by the connector for the routers: one
+                # engine's at an ipc path, the other's at a loopback TCP address (which vLLM
+                # connects to, so the connector binds it), as two engines on a host would.
+                endpoint = f"ipc://{root}/prefill-kv-events" if role == "prefill" else \
+                    f"tcp://127.0.0.1:{_port()}"
                 kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                             "endpoint": f"tcp://*:{_port()}", "topic": "kv"}
+                             "endpoint": endpoint, "topic": "kv"}
                 procs.append(_spawn(
                     [*serve, str(model), "--host", "127.0.0.1", "--port", str(ports[role]),
                      "--dtype", "float32", "--enforce-eager", "--block-size", str(E.BLOCK),
                      "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+                     "--enable-prompt-tokens-details",
                      "--kv-transfer-config", json.dumps(cfg),
                      "--kv-events-config", json.dumps(kv_events)],
                     env, root / f"{role}.log"))
@@ -205,8 +210,13 @@ def test_kvstream_proxy_finds_engines_in_the_registry(served):
         assert [(m["rid"], m["rrid"], int(m["bytes"]), int(m["blocks"]) + int(m["local"]))
                 for m in lines] == [(p["request_id"], p["remote_request_id"], p["bytes"],
                                      p["blocks"]) for p in pulls], d_log.read_text()[-3000:]
-        # cached_tokens in the responses' usage stays 0 (vLLM reports the prefill's own cache
-        # hits there): the decode engine's /metrics are where transferred KV shows.
+        # cached_tokens means the prefill engine's own cache hits (vLLM's meaning): 0 for
+        # these fresh prompts, whatever the transfer moved; the decode engine's /metrics
+        # are where transferred KV shows.
+        assert [_cached(g) for g in got] == [0, 0]
+        again = _post(f"http://127.0.0.1:{port}/v1/completions",
+                      _body(served["model"], prompts[0]))
+        assert _cached(again) == len(prompts[0]) // E.BLOCK * E.BLOCK  # the prefill's hits
         end = time.monotonic() + 10
         while (moved := _transferred_tokens(served["decode"]) - tokens_before) < len(prompts[0]) \
                 and time.monotonic() < end:
@@ -214,6 +224,11 @@ def test_kvstream_proxy_finds_engines_in_the_registry(served):
         assert moved >= len(prompts[0]) + len(prompts[1]), moved
     finally:
         _stop(proxy)
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``)."""
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def _health(port: int) -> dict[str, Any]:
@@ -256,6 +271,12 @@ def test_kv_aware_routing_finds_a_repeated_prompts_prefix_on_both_engines(served
             time.sleep(0.5)
         assert hits == {"prefill": full, "decode": full}, (before, after, hits)
         assert after["prompt_blocks"]["prefill"] - before["prompt_blocks"]["prefill"] == full
+        # Both engines say their events arrive (an ipc and a loopback TCP endpoint).
+        end = time.monotonic() + 10
+        while (h := _health(port))["kv_events_missing"] or \
+                {i["kv_events"] for i in h["prefill"] + h["decode"]} != {"ok"}:
+            assert time.monotonic() < end, h
+            time.sleep(0.5)
     finally:
         _stop(proxy)
         _stop(router)
@@ -306,11 +327,17 @@ def test_push_pipelined_through_the_proxy(served):
         prompts = [E.prompt(90, 91), E.prompt(33, 92)]
         url = f"http://127.0.0.1:{port}/v1/completions"
         got = [_post(url, _body(served["model"], p)) for p in prompts]
-        streamed = _stream(url, _body(served["model"], prompts[1]))
+        # Longer than prompts[1], whose first block the decode engine now holds: a load of
+        # the rest (one that vLLM kept whole but for its last token would be declined).
+        longer = prompts[1] + E.prompt(7, 94)
+        streamed = _stream(url, _body(served["model"], longer))
         want = [_post(f"{served['prefill']}/v1/completions", _body(served["model"], p))
-                for p in prompts]
-        assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want]
-        assert streamed == want[1]["choices"][0]["text"]
+                for p in [*prompts, longer]]
+        assert [g["choices"][0]["text"] for g in got] == [w["choices"][0]["text"] for w in want[:2]]
+        assert streamed == want[2]["choices"][0]["text"]
+        # One meaning of cached_tokens in both modes: the prefill engine's own hits (0 for
+        # these fresh prompts; the decode engine counts the pushed prompt as its own).
+        assert [_cached(g) for g in got] == [0, 0]
         counts = _health(port)["counts"]
         assert counts["pushed"] == 3 and counts["push_declined"] == 0, counts
         loads = _pulls(events)[loads_before:]
@@ -338,6 +365,38 @@ def test_push_pipelined_through_the_proxy(served):
                 sum(len(p) for p in prompts) and time.monotonic() < end:
             time.sleep(0.2)
         assert moved >= sum(len(p) for p in prompts), moved
+        again = _post(url, _body(served["model"], prompts[0]))  # now the prefill has it cached
+        assert _cached(again) == len(prompts[0]) // E.BLOCK * E.BLOCK
+        assert again["choices"][0]["text"] == want[0]["choices"][0]["text"]
+    finally:
+        _stop(proxy)
+
+
+def test_a_one_token_prompt_is_not_loaded(served):
+    """vLLM recomputes a prompt's last token whatever is loaded: a one-token prompt's
+    decode engine declines the load (nothing moves), tells the prefill to let its offer
+    go, and answers as the colocated engine."""
+    port = _port()
+    log = served["root"] / "oneproxy.log"
+    proxy = _spawn([str(Path(sys.executable).parent / "kvstream"), "proxy", "--port", str(port),
+                    "--nats-url", served["nats"].url], {}, log)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/ready", proxy, log, timeout=30)
+        events = served["events"]
+        seen = len(E.read_events(events))
+        prompt = E.prompt(1, 93)
+        got = _post(f"http://127.0.0.1:{port}/v1/completions", _body(served["model"], prompt))
+        want = _post(f"{served['prefill']}/v1/completions", _body(served["model"], prompt))
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        end = time.monotonic() + 10
+        while not (released := [e for e in E.read_events(events)[seen:]
+                                if e["event"] == "released"]) and time.monotonic() < end:
+            time.sleep(0.1)
+        new = E.read_events(events)[seen:]
+        declined = [e for e in new if e["event"] == "load_declined"]
+        assert len(declined) == 1 and "nothing to load" in declined[0]["reason"], new
+        assert not [e for e in new if e["event"] in ("pull_scheduled", "pull_ended")], new
+        assert len(released) == 1 and "nothing to load" in released[0]["reason"], new
     finally:
         _stop(proxy)
 

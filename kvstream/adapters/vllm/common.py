@@ -116,6 +116,9 @@ class KVStreamMetadata(KVConnectorMetadata):
     release: list[tuple[Remote, str]] = field(default_factory=list)
     # the engine's load for routers: (requests it holds, KV blocks in use), every step
     load: tuple[int, int] | None = None
+    # blocks this step fills (each one a BlockStored event vLLM publishes): the bridge
+    # expects its events (kv_events.py); 0 when vLLM publishes none
+    filled: int = 0
 
 
 # vLLM's CPU attention (0.32, "vec" ISA: float32/float16 on x86) keeps K transposed in

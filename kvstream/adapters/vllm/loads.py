@@ -123,16 +123,24 @@ class Loads(Side):
                 raise AdapterError(refused)
             if remote.push:
                 via = "push"
+                offered = True
                 try:
                     res = await self._take_push(agent, rid, job, sources[0])
                     failed = res.reason
-                except (NoPush, KVStreamError) as exc:  # e.g. a staged push that cannot skip
+                except NoPush as exc:
+                    res, failed, offered = None, str(exc), exc.offered
+                except KVStreamError as exc:  # e.g. a staged push that cannot skip
                     res, failed = None, str(exc)
                 if res is not None and (res.ok or rid in self._cancelled):
                     if res.ok:  # the prefill keeps its offer until told
                         await self._release(sources[0], rrid, "pushed", remote.secret)
                     raise _Done
-                via, push_why = "push, then pull", failed
+                push_why = failed
+                if not offered or not agent.registry.alive(sources[0]):
+                    # Nothing to pull: the prefill engine never had the request, or it is
+                    # gone (a pull would wait for its answer). vLLM recomputes now.
+                    raise AdapterError(f"no push, and no offer to pull: {failed}")
+                via = "push, then pull"
                 log.info("kvstream load %s: the push from %s failed (%s): pulling its offer",
                          rid, src, failed)
                 res = None

@@ -213,7 +213,12 @@ class PrefillPushes:
 
 
 class NoPush(Exception):
-    """The prefill rank said it will not push: pull at once."""
+    """The push will not come: pull at once, unless ``offered`` is False (nothing was
+    offered either: recompute)."""
+
+    def __init__(self, message: str, *, offered: bool = True) -> None:
+        super().__init__(message)
+        self.offered = offered
 
 
 class DecodePushes:
@@ -224,9 +229,12 @@ class DecodePushes:
         # push id -> (who may note it failed: its source rank and the proxy that planned it,
         # the reservation)
         self._expecting: dict[str, tuple[frozenset[str], ReceiveHandle]] = {}
-        # (push id, who) -> why, of "failed" notes that came before the expect (by sender:
+        # (push id, who) -> the "failed" notes that came before the expect (by sender:
         # one from a peer whose note does not count must not hide one that does)
-        self._failed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._failed: collections.OrderedDict[tuple[str, str], PushNote] = \
+            collections.OrderedDict()
+        # push id -> a "failed" note that ended its wait, for the fallback to read
+        self._ended: dict[str, PushNote] = {}
         self._failed_by: collections.Counter[str] = collections.Counter()  # kept per sender
 
     def on_failed(self, sender: str, note: PushNote) -> None:
@@ -244,12 +252,13 @@ class DecodePushes:
                 oldest = next(k for k in self._failed if k[1] == sender)
                 del self._failed[oldest]
                 self._forget(sender)
-            self._failed[note.push_id, sender] = note.reason
+            self._failed[note.push_id, sender] = note
             self._failed_by[sender] += 1
             while len(self._failed) > MAX_DECLINED:
                 (_, who), _ = self._failed.popitem(last=False)
                 self._forget(who)
         elif sender in waiting[0] and not waiting[1].done:
+            self._ended[note.push_id] = note
             self._rt.spawn(waiting[1].abort, f"{sender}: no push: {note.reason}"[:300])
 
     def _forget(self, sender: str) -> None:
@@ -263,7 +272,8 @@ class DecodePushes:
         """The prefill's push into ``blocks`` (claimed from staging if it came first);
         bounded by ``reservation_timeout_s``, hurried by a "failed" note from ``src`` or
         ``by`` (the proxy that planned it), given up when ``src`` is no longer alive.
-        ``started`` gets the reservation (to abort it)."""
+        ``started`` gets the reservation (to abort it). Raises ``NoPush`` when a note
+        ended it (its ``offered`` says whether a pull may find the offer)."""
         if push_id in self._expecting:
             raise AdapterError(f"push {push_id} is expected by another request here")
         notifiers = frozenset(x for x in (src, by) if x)
@@ -271,18 +281,23 @@ class DecodePushes:
             early = self._failed.pop((push_id, who), None)
             if early is not None:
                 self._forget(who)
-                raise NoPush(f"{who}: no push: {early}")
+                raise NoPush(f"{who}: no push: {early.reason}", offered=early.offered)
         handle = agent.expect(push_id, blocks, have=have, src=src)
         self._expecting[push_id] = (notifiers, handle)
         try:
             await started(handle)
             while True:  # a prefill that died before its push never sends a note
                 with anyio.move_on_after(PUSH_LIVENESS_S):
-                    return await handle.result()
+                    res = await handle.result()
+                    note = self._ended.get(push_id)
+                    if note is not None and not note.offered and not res.ok:
+                        raise NoPush(res.reason, offered=False)
+                    return res
                 if not agent.registry.alive(src):
                     await handle.abort(f"{src} is not alive (no push will come)")
         finally:
             self._expecting.pop(push_id, None)
+            self._ended.pop(push_id, None)
 
 
 def cuda_event(kv_layer: torch.Tensor) -> Any | None:

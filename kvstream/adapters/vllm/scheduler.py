@@ -30,6 +30,7 @@ from kvstream.adapters.vllm.common import (
     log,
     push_request,
 )
+from kvstream.adapters.vllm.kv_events import events_expected
 from kvstream.prefix import block_hashes
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["MAX_TP", "SchedulerSide"]
+__all__ = ["MAX_TP", "SchedulerSide", "blocks_filled"]
 
 MAX_TP = 1024  # prefill TP degrees a request's params may name
 
@@ -58,6 +59,7 @@ class SchedulerSide(Side):
         # Requests vLLM holds (added, not finished): with the blocks in use, the load each
         # rank announces for KV-aware routers (``Agent.report_load``).
         self._live: set[str] = set()
+        self._events_expected = events_expected(vllm_config)
 
     def _remote(self, params: dict[str, Any]) -> Remote | None:
         """Where complete prefill params say the prompt's KV is held, else None."""
@@ -154,10 +156,16 @@ class SchedulerSide(Side):
         if refused is not None:  # update_state_after_alloc releases the prefill's hold
             self._decline(request.request_id, remote, *refused)
             return 0, False
+        prompt_len = len(request.prompt_token_ids or ())
+        if prompt_len - 1 <= num_computed_tokens:
+            # vLLM recomputes a prompt's last token whatever was loaded (it samples the first
+            # new token from it), so this load would bring nothing vLLM keeps.
+            self._decline(request.request_id, remote, "nothing to load: vLLM computes the "
+                          "prompt's last token itself and holds the rest", False)
+            return 0, False
         self._declined.pop(request.request_id, None)  # asked again, now without local hits
         # The whole prompt: vLLM itself recomputes the last token after the load.
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return prompt_len - num_computed_tokens, True
 
     def on_new_request(self, request: Request) -> None:
         self._live.add(request.request_id)
@@ -255,6 +263,8 @@ class SchedulerSide(Side):
             self._offered[rid] = (push[1] if push else rid, secret)
             del self._producing[rid]
         self._meta.load = (len(self._live), self._blocks_in_use())
+        if self._events_expected:
+            self._meta.filled = blocks_filled(scheduler_output, self._block_size)
         meta, self._meta = self._meta, KVStreamMetadata()
         return meta
 
@@ -326,3 +336,14 @@ class SchedulerSide(Side):
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._offered)
+
+
+def blocks_filled(scheduler_output: SchedulerOutput, block_size: int) -> int:
+    """The blocks this step's scheduled tokens complete (vLLM's prefix cache stores each)."""
+    scheduled = scheduler_output.num_scheduled_tokens or {}
+    computed: dict[str, int] = {r.req_id: r.num_computed_tokens
+                                for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    return sum((c + scheduled.get(rid, 0)) // block_size - c // block_size
+               for rid, c in computed.items())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -164,37 +165,11 @@ class WorkerSide(Loads):
 
     def _bridge_kv_events(self) -> None:
         """vLLM's KV cache events (``--kv-events-config``, zmq publisher) onto this agent's
-        KV event log, for KV-aware routers (``kv_events.py``)."""
-        cfg = getattr(self._vllm_config, "kv_events_config", None)
-        if cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
-            return
-        from kvstream.adapters.vllm.kv_events import EventBridge, subscriber_endpoint
+        KV event log, for KV-aware routers, watched (``kv_events.py``)."""
+        from kvstream.adapters.vllm.kv_events import start_bridge
 
-        rt = self._rt()
-        dp = int(getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-        endpoint = subscriber_endpoint(cfg.endpoint, dp)
-
-        def sink(kind: str, hashes: list[int]) -> None:
-            def on_loop() -> None:
-                agent = rt.agent
-                if agent is None:  # closing
-                    return
-                log_ = agent.kv_events(self._block_size)
-                if kind == "stored":
-                    log_.stored(hashes)
-                elif kind == "removed":
-                    log_.removed(hashes)
-                else:
-                    log_.cleared()
-            rt.call(on_loop)
-
-        try:
-            self._kv_bridge = EventBridge(endpoint, cfg.topic, self._block_size, sink)
-        except Exception as exc:  # routing is an optimisation: the engine serves without it
-            log.warning("kvstream agent %s cannot bridge vLLM's KV events from %s (%r): "
-                        "routers will not see its prefix cache", self._instance, endpoint, exc)
-            return
-        log.info("kvstream agent %s bridges vLLM's KV events from %s", self._instance, endpoint)
+        self._kv_bridge = start_bridge(self._vllm_config, self._rt(), self._block_size,
+                                       self._instance)
 
     def _rt(self) -> AgentRuntime:
         if self._runtime is None:
@@ -232,6 +207,8 @@ class WorkerSide(Loads):
         self._step = []
         if self._load is not None:
             self._load.begin(meta.load if meta is not None else None)
+        if self._kv_bridge is not None and meta is not None and meta.filled:
+            self._kv_bridge.filled(meta.filled, time.monotonic())
         if meta is None or self._runtime is None:
             return
         for rid, off in meta.offer.items():
