@@ -127,25 +127,45 @@ def _cupy() -> Any:
 _libcuda: ctypes.CDLL | None = None
 
 
-def _address_range(ptr: int) -> tuple[int, int]:
-    """``(base, size)`` of the allocation holding device pointer ``ptr`` (current context)."""
+def _driver() -> ctypes.CDLL:
     global _libcuda
     if _libcuda is None:
         try:
             _libcuda = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise DataPlaneError(f"the CUDA driver library is not loadable: {exc}") from exc
+    return _libcuda
+
+
+def _address_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the allocation holding device pointer ``ptr`` (current context)."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    rc = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                           ctypes.c_uint64(ptr))
     if rc:
         raise DataPlaneError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}")
     return int(base.value), int(size.value)
 
 
-def _uuid(cupy: Any, device: int) -> bytes:
-    uuid = cupy.cuda.runtime.getDeviceProperties(device).get("uuid", b"")
-    uuid = bytes(uuid) if isinstance(uuid, bytes | bytearray) else b""
-    return uuid if len(uuid) == UUID_BYTES else b""
+def uuid_of(raw: ctypes.Array[ctypes.c_ubyte]) -> bytes:
+    """A ``CUuuid``'s 16 bytes, zero bytes included (cupy's ``getDeviceProperties()['uuid']``
+    cuts a ``char[16]`` at its first zero byte: about one GPU in 16 then had no UUID, so no
+    CUDA IPC)."""
+    out = bytes(raw)
+    if len(out) != UUID_BYTES:
+        raise DataPlaneError(f"a CUDA UUID has {UUID_BYTES} bytes, not {len(out)}")
+    return out
+
+
+def _uuid(device: int) -> bytes:
+    """The UUID of CUDA device ``device`` (runtime ordinal), from the driver."""
+    lib = _driver()
+    handle = ctypes.c_int()
+    raw = (ctypes.c_ubyte * UUID_BYTES)()
+    if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)) or \
+            lib.cuDeviceGetUuid_v2(raw, handle):
+        return b""
+    return uuid_of(raw)
 
 
 def export_memory(ptr: int, size: int) -> IpcHandle:
@@ -173,7 +193,7 @@ def export_memory(ptr: int, size: int) -> IpcHandle:
         except rt.CUDARuntimeError as exc:
             raise DataPlaneError(f"cudaIpcGetMemHandle refused the allocation at {base:#x} (torch's "
                                  f"expandable segments and async pools have none): {exc}") from exc
-        uuid = _uuid(cupy, device)
+        uuid = _uuid(device)
     return IpcHandle(handle=bytes(handle), offset=ptr - base, size=size, alloc_size=alloc_size,
                      device=device, device_uuid=uuid)
 
@@ -245,7 +265,7 @@ def visible_gpus() -> list[bytes]:
     if _gpus is None:
         try:
             cupy = _cupy()
-            _gpus = [_uuid(cupy, d) for d in range(int(cupy.cuda.runtime.getDeviceCount()))]
+            _gpus = [_uuid(d) for d in range(int(cupy.cuda.runtime.getDeviceCount()))]
         except Exception:  # no cupy, no driver, no device: nothing is opened here
             _gpus = []
     return _gpus

@@ -42,7 +42,7 @@ DTYPE_BYTES: Final[dict[str, int]] = {
 FP8_DTYPES: Final = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 Arrangement = Literal["flash_nhd", "flash_hnd", "blocks_first_nhd", "cpu_hnbc", "mla",
-                      "split_nhd"]
+                      "split_nhd", "hnd_kv", "nhd_kv"]
 
 # name -> (block index outermost?, shape builder doc). Shapes use
 # nb=num_blocks, bs=block_size, h=num_kv_heads, d=head_dim.
@@ -55,6 +55,10 @@ ARRANGEMENTS: Final[dict[str, str]] = {
     "mla": "[nb, bs, d]  (MLA compressed latent; h must be 1, no separate V)",
     "split_nhd": "K and V in separate tensors, each [nb*bs, h, d], registered K of every "
                  "layer first, then V (SGLang's MHA token-to-KV pool: a page is a block)",
+    "hnd_kv": "[nb, h, bs, 2*d]  (vLLM 0.32's GPU backends in KV cache layout LBHNC: per "
+              "block, head and token, K then V)",
+    "nhd_kv": "[nb, bs, h, 2*d]  (the same in vLLM's layout LBNHC: per block, token and head, "
+              "K then V)",
 }
 
 # K/V first in one tensor, or K and V in tensors of their own: a block is two chunks.
@@ -140,6 +144,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             "cpu_hnbc": (nb, h, bs, 2 * d),
             "mla": (nb, bs, d),
             "split_nhd": (nb * bs, h, d),
+            "hnd_kv": (nb, h, bs, 2 * d),
+            "nhd_kv": (nb, bs, h, 2 * d),
         }[self.arrangement]
 
     def num_blocks_of(self, shape: tuple[int, ...]) -> int:

@@ -26,7 +26,7 @@ from kvstream.layout import FP8_DTYPES, KVLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BlockMap", "RegisteredKV", "is_run", "run_copy"]
+__all__ = ["BlockMap", "RegisteredKV", "fenced", "is_run", "run_copy"]
 
 
 def _elem_dtype(chunk_bytes: int) -> torch.dtype:
@@ -52,9 +52,41 @@ def _single_threaded() -> None:
     torch.set_num_threads(1)
 
 
+def _cuda_devices(args: tuple[Any, ...]) -> set[Any]:
+    """The CUDA devices of the tensors among ``args`` (and of a ``BlockMap``'s index)."""
+    import torch
+
+    found = set()
+    for a in args:
+        if isinstance(a, BlockMap):
+            if a.device.type == "cuda":
+                found.add(a.device)
+        elif isinstance(a, torch.Tensor) and a.is_cuda:
+            found.add(a.device)
+    return found
+
+
+def fenced(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``, then wait (on this thread) until every device copy it queued is done.
+
+    torch queues a device copy and returns at once; UCX copies device memory on its own
+    streams and ucxx never synchronizes, and a staging slot is reused as soon as its copy
+    returns. So a copy is fenced: an event recorded after it on the stream it ran on (the
+    device's current stream of this thread), waited before anything touches the buffer."""
+    fn(*args)
+    devices = _cuda_devices(args)
+    if devices:
+        import torch
+
+        for dev in devices:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(dev))
+            done.synchronize()
+
+
 async def run_copy(fn: Callable[..., None], *args: Any) -> None:
-    """Run a gather/scatter on kvstream's own copy threads and wait for it (not cancellable
-    midway: the buffers are in use until it returns).
+    """Run a gather/scatter on kvstream's own copy threads and wait for it, device work
+    included (``fenced``; not cancellable midway: the buffers are in use until it returns).
 
     The threads run torch single-threaded: its intra-op threads spin after every parallel
     region, and with prefill, cma and scatter copies already filling the cores they only
@@ -65,7 +97,7 @@ async def run_copy(fn: Callable[..., None], *args: Any) -> None:
     if _copier is None:
         _copier = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="kvstream-copy", initializer=_single_threaded)
-    future = asyncio.get_running_loop().run_in_executor(_copier, fn, *args)
+    future = asyncio.get_running_loop().run_in_executor(_copier, fenced, fn, *args)
     with anyio.CancelScope(shield=True):
         await future
 
@@ -89,11 +121,20 @@ class BlockMap:
     """Validated block ids of one side of a transfer, with the index tensor prepared once."""
 
     def __init__(self, ids: Sequence[int], device: torch.device) -> None:
-        import torch
-
         self.ids = list(ids)
+        self.device = device
         self.contiguous_start: int | None = self.ids[0] if is_run(self.ids) else None
-        self.index = torch.tensor(self.ids, dtype=torch.int64, device=device)
+        self._index: torch.Tensor | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """The ids as a tensor on the memory's device, made on first use: by a copy thread,
+        never the event loop (a host-to-device copy waits behind the device's queue)."""
+        if self._index is None:
+            import torch
+
+            self._index = torch.tensor(self.ids, dtype=torch.int64, device=self.device)
+        return self._index
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -103,7 +144,7 @@ class BlockMap:
         if not skip:
             return self
         drop = set(skip)
-        return BlockMap([b for i, b in enumerate(self.ids) if i not in drop], self.index.device)
+        return BlockMap([b for i, b in enumerate(self.ids) if i not in drop], self.device)
 
 
 class RegisteredKV:

@@ -32,8 +32,8 @@ T = TypeVar("T")
 
 
 def csrc_path(name: str) -> Path:
-    """A file of the source tree's csrc/ (absent in an installed wheel)."""
-    return Path(__file__).resolve().parents[1] / "csrc" / name
+    """A kernel source of the package's csrc/ (shipped in the wheel, compiled on first use)."""
+    return Path(__file__).resolve().parent / "csrc" / name
 
 
 def cache_dir() -> Path:

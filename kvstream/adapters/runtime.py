@@ -40,9 +40,11 @@ class AgentRuntime:
 
     def __init__(self, config: AgentConfig, layout: KVLayout, layers: Sequence[torch.Tensor], *,
                  start_timeout_s: float = 30.0,
-                 notes: Mapping[str, Callable[[str, bytes], None]] | None = None) -> None:
+                 notes: Mapping[str, Callable[[str, bytes], None]] | None = None,
+                 cache_scales: Sequence[float] | None = None) -> None:
         """``notes``: handlers of adapters' notes by topic, in place before the agent
-        announces itself (a peer that sees the announcement may send one at once)."""
+        announces itself (a peer that sees the announcement may send one at once);
+        ``cache_scales``: an FP8 cache's (``Agent.register_kv``)."""
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._stop: anyio.Event | None = None
@@ -56,7 +58,8 @@ class AgentRuntime:
             self._loop_thread = threading.get_ident()
             try:
                 # Tasks started on the loop (``spawn`` from there) end before the loop does.
-                first = Agent(config, layout=layout, kv_caches=layers)
+                first = Agent(config, layout=layout)
+                first.register_kv(layout, layers, cache_scales=cache_scales)
                 for topic, handler in (notes or {}).items():
                     first.on_note(topic, handler)
                 async with anyio.create_task_group() as tg, first as agent:

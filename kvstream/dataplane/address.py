@@ -55,7 +55,7 @@ from typing import Final
 from kvstream._exceptions import ProtocolError
 
 __all__ = ["MAX_ADDRESS_BYTES", "check_local_segments", "check_worker_address",
-           "unknown_transports"]
+           "set_ucx_version", "ucx_namespace_bytes", "unknown_transports"]
 
 # Real addresses are ~40-300 bytes; 128 resources of ~300 bytes each stay below this.
 MAX_ADDRESS_BYTES: Final = 64 * 1024
@@ -267,6 +267,23 @@ def _iface_attrs(r: _Reader, version: int) -> None:
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _LOCAL_ADDR_FLAG_NS: Final = 1 << 63  # UCT_IFACE_LOCAL_ADDR_FLAG_NS
+
+# The size of a namespace id (ucs_sys_ns_t) in the addresses the loaded UCX writes: an
+# 8-byte inode up to 1.21; UCX 1.22 packs 4 bytes (so its shared-memory, cma and TCP
+# loopback addresses are shorter inside namespaces, and cuda_ipc adds the pid namespace).
+_ns_bytes = 8
+
+
+def set_ucx_version(version: tuple[int, ...]) -> None:
+    """The lengths to expect are those of the UCX loaded here (``ucxx.get_ucx_version()``):
+    the peers of one deployment run one UCX (an entry with another release's lengths is
+    refused, never handed to UCX)."""
+    global _ns_bytes
+    _ns_bytes = 4 if tuple(version[:2]) >= (1, 22) else 8
+
+
+def ucx_namespace_bytes() -> int:
+    return _ns_bytes
 _TCP_FLAG_LOOPBACK: Final = 0x01  # UCT_TCP_DEVICE_ADDR_FLAG_LOOPBACK
 _AF_INET: Final = 2  # Linux values, as UCX packs sa_family
 _AF_INET6: Final = 10
@@ -282,11 +299,11 @@ def _length(what: str, got: int, want: int) -> str:
 
 
 def _sm_device(dev: bytes) -> str:
-    """uct_iface_local_addr_ns_t: an 8-byte host id, + 8-byte namespace iff its top bit."""
+    """uct_iface_local_addr_ns_t: an 8-byte host id, + a namespace id iff its top bit."""
     if len(dev) < 8:
         return _length("device address", len(dev), 8)
     return _length("device address", len(dev),
-                   16 if _U64.unpack_from(dev)[0] & _LOCAL_ADDR_FLAG_NS else 8)
+                   8 + _ns_bytes if _U64.unpack_from(dev)[0] & _LOCAL_ADDR_FLAG_NS else 8)
 
 
 def _self(dev: bytes, iface: bytes) -> str:
@@ -302,7 +319,7 @@ def _tcp(dev: bytes, iface: bytes) -> str:
     if flags & ~_TCP_FLAG_LOOPBACK or family not in (_AF_INET, _AF_INET6):
         return f"device address flags {flags:#x} family {family}"
     # Loopback carries a uct_iface_local_addr_ns_t, others the IPv4 / IPv6 address.
-    tail = 16 if flags & _TCP_FLAG_LOOPBACK or family == _AF_INET6 else 4
+    tail = 8 + _ns_bytes if flags & _TCP_FLAG_LOOPBACK else 16 if family == _AF_INET6 else 4
     return _length("device address", len(dev), 2 + tail)
 
 
@@ -317,7 +334,8 @@ def _posix(dev: bytes, iface: bytes) -> str:
         return _length("iface address", len(iface), 8)
     seg_id, extra = _U64.unpack_from(iface)[0], iface[8:]
     if seg_id & _POSIX_PROCFS:  # /proc/<pid>/fd/<fd>, + the pid namespace if flagged
-        return _length("iface address", len(iface), 16 if seg_id & _POSIX_PID_NS else 8)
+        return _length("iface address", len(iface),
+                       8 + _ns_bytes if seg_id & _POSIX_PID_NS else 8)
     if seg_id & _POSIX_PID_NS:
         return "a pid namespace without procfs mode"
     if seg_id & _POSIX_SHM_OPEN:
@@ -333,16 +351,19 @@ def _cma(dev: bytes, iface: bytes) -> str:
         return fault
     if len(iface) < 4:
         return _length("iface address", len(iface), 4)
-    # pid_t, or {pid_t; ino_t pid_ns} (16 with padding) when the pid's top bit says so.
+    # pid_t, or {pid_t; pid_ns} (UCX 1.21: an ino_t, 16 bytes with padding; 1.22: 8) when
+    # the pid's top bit says so.
     return _length("iface address", len(iface),
-                   16 if _U32.unpack_from(iface)[0] & _CMA_PID_NS else 4)
+                   (16 if _ns_bytes == 8 else 8) if _U32.unpack_from(iface)[0] & _CMA_PID_NS
+                   else 4)
 
 
 _cuda_copy = _self  # the same layout: no device address, an 8-byte iface address
 
 
 def _cuda_ipc(dev: bytes, iface: bytes) -> str:
-    if len(iface) != 4:  # pid_t
+    # pid_t; UCX 1.22 adds the pid namespace outside the host's own
+    if len(iface) != 4 and not (_ns_bytes == 4 and len(iface) == 8):
         return _length("iface address", len(iface), 4)
     if len(dev) == 9 and not dev[8] & ~_CUDA_IPC_MNNVL:  # {system uuid; flags}, packed
         return ""

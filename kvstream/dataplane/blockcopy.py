@@ -11,8 +11,8 @@ Every item is checked against both buffers before any byte moves (here with nump
 again in C and in the kernel): one out of bounds raises ``InvalidBlockError`` naming the
 items, and nothing is written. The C library is built on first use (``kvstream.native``,
 ``-O3 -march=native`` on x86-64) and called through ctypes, which releases the GIL, so a
-caller may split a batch across its own threads. Without a C compiler or the source (an
-installed wheel has no csrc/) the copy falls back to one ``ctypes.memmove`` per item, with
+caller may split a batch across its own threads. Without a C compiler (the sources ship
+in the package, ``kvstream/csrc/``) the copy falls back to one ``ctypes.memmove`` per item, with
 a warning once. cupy (``pip install 'kvstream[gpu]'``) is imported only by ``CudaBlockCopy``.
 """
 

@@ -58,7 +58,8 @@ class RecvStream(Stream):
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, nblocks)
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
-        self.single = source is None and single_for(env.memory, t, src_contiguous, dst_run, path)
+        self.single = source is None and single_for(env.memory, t, src_contiguous, dst_run, path,
+                                                    env.peer_on_cpu(t.peer))
         # Never received straight into engine blocks over a byte stream: a frame whose
         # header was read cannot be drained (UCX's can), so a late one could still write
         # after the transfer ended and the engine reused the blocks. It lands in staging

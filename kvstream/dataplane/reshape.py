@@ -66,11 +66,12 @@ def transfer_codec(mem: RegisteredKV, t: Transfer) -> Any:
 
 
 def single_for(mem: RegisteredKV, t: Transfer, src_contiguous: bool, dst_contiguous: bool,
-               path: str) -> bool:
-    """The framing both ends derive: a reshape's is in the plan (``Reshape.single``)."""
+               path: str, peer_on_cpu: bool = True) -> bool:
+    """The framing both ends derive: a reshape's is in the plan (``Reshape.single``, made
+    from both ends' devices)."""
     if t.reshape is not None:
         return t.reshape.single and mem.device.type == "cpu"
-    return single_message_for(mem, src_contiguous, dst_contiguous, t.codec, path)
+    return single_message_for(mem, src_contiguous, dst_contiguous, t.codec, path, peer_on_cpu)
 
 
 def layer_bytes_of(mem: RegisteredKV, t: Transfer, nblocks: int) -> int:

@@ -49,7 +49,8 @@ class SendStream(Stream):
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, len(handle.blocks))
         self.single = not mapped and single_for(
-            env.memory, t, handle.blocks.contiguous_start is not None, dst_contiguous, path)
+            env.memory, t, handle.blocks.contiguous_start is not None, dst_contiguous, path,
+            env.peer_on_cpu(t.peer))
         # A byte-stream transport sends the blocks where they lie: no gather (unless they
         # are encoded or reshaped on the way).
         self.vectored = self.single and env.transport.vectored and self.codec is None

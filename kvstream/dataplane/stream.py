@@ -59,21 +59,27 @@ class StreamEnv:
     # Drop the endpoint to a peer held dead or stuck, and let that peer know (it must drop
     # its own, or its next send into the aborted endpoint is cancelled).
     forget: Callable[[str, bytes], None] = lambda peer, address: None
+    # Does the peer announce its KV in host memory (unknown: yes)? Both ends frame alike.
+    peer_on_cpu: Callable[[str], bool] = lambda peer: True
 
 
 def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
-                       codec: str = "none", path: str = "ucx") -> bool:
+                       codec: str = "none", path: str = "ucx", peer_on_cpu: bool = True
+                       ) -> bool:
     """Framing both sides derive alike: when both ends gather/scatter anyway, a layer travels
     as one message ``[header | payload]`` out of one staging buffer into another (one
     rendezvous instead of one per plane plus a header); otherwise as a header message plus
-    one message per plane, so a contiguous end moves its blocks in place. A codec always
+    one message per plane, so a contiguous end moves its blocks in place. One message needs
+    both ends' KV in host memory (``peer_on_cpu``: the peer's, as it announces it): a GPU
+    end stages per plane, and a CPU end facing it must frame the same way. A codec always
     stages on both ends and sends a header plus one part (scales, then codes), whatever
     each end's device, so a CPU end and a GPU end frame alike."""
     if codec != "none":
         return False
     if path == "tcp":  # a byte stream: each end splits its [header | payload] as it likes
         return memory.device.type == "cpu"
-    return not src_contiguous and not dst_contiguous and memory.device.type == "cpu"
+    return not src_contiguous and not dst_contiguous and memory.device.type == "cpu" \
+        and peer_on_cpu
 
 
 Outcome = tuple[TransferState, str, "EndCause | None"]

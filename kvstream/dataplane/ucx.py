@@ -37,6 +37,7 @@ from kvstream.config import PROGRESS_MODES
 from kvstream.dataplane.address import (
     check_local_segments,
     check_worker_address,
+    set_ucx_version,
     unknown_transports,
 )
 
@@ -66,6 +67,24 @@ def _ucxx() -> Any:
     except ImportError as exc:  # pragma: no cover - a hard dependency
         raise DataPlaneError("the ucxx package is missing: pip install ucxx-cu12") from exc
     return ucxx
+
+
+def _progress_thread_device(device: int) -> None:
+    """Make ``device`` current on ucxx's progress thread when it starts (UCX copies device
+    memory there). ucxx 0.52 makes device 0 current (``continuous_ucx_progress.
+    _create_context``), which creates a context on GPU 0 in every TP rank's process."""
+    try:
+        from ucxx._lib_async import continuous_ucx_progress as progress
+    except ImportError:  # another ucxx: its own choice stands
+        return
+
+    def current() -> None:
+        from ucxx._cuda_context import ensure_cuda_context
+
+        ensure_cuda_context(device)
+
+    if hasattr(progress, "_create_context"):
+        progress._create_context = current
 
 
 def as_ucx_buffer(obj: Any) -> Any:
@@ -119,7 +138,8 @@ class UcxWorker:
         self.dropped_unread = 0  # swept messages too large to receive, dequeued unread
 
     @classmethod
-    async def open(cls, *, progress_mode: str = "thread", error_handling: bool = False) -> UcxWorker:
+    async def open(cls, *, progress_mode: str = "thread", error_handling: bool = False,
+                   cuda_device: int | None = None) -> UcxWorker:
         if progress_mode not in PROGRESS_MODES:
             raise ConfigError(f"progress mode must be one of {PROGRESS_MODES}, got {progress_mode!r}")
         if _unified_mode():
@@ -129,6 +149,8 @@ class UcxWorker:
         ucxx = _ucxx()
         loop = asyncio.get_running_loop()
         if _Shared.refs == 0:
+            if cuda_device is not None:
+                _progress_thread_device(cuda_device)
             try:
                 ucxx.init(progress_mode=progress_mode,
                           enable_python_future=progress_mode == "thread")
@@ -137,6 +159,7 @@ class UcxWorker:
             _Shared.loop, _Shared.mode, _Shared.error_handling = loop, progress_mode, error_handling
             _Shared.endpoints, _Shared.discards = {}, []
             _Shared.address = bytes(ucxx.get_worker_address().tobytes())
+            set_ucx_version(tuple(ucxx.get_ucx_version()))
             try:
                 # Peers configured like us send addresses like ours: refuse the setting now,
                 # not every peer later.

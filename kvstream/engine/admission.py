@@ -233,7 +233,8 @@ class Admission:
             single = msg.reshape.single and mem.device.type == "cpu"
         else:
             single = choice.path not in ("shm", "cuda_ipc") and \
-                single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path)
+                single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path,
+                                   core.peer_on_cpu(msg.src))
         layer_bytes = msg.reshape.layer_bytes(mem.layout) if msg.reshape is not None else \
             wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
         need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers

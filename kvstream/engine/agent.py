@@ -106,7 +106,11 @@ class Agent:
         if control is None:
             control, self.nats_url = await open_control(cfg, self._stack)
         if transport is None:
-            transport = await open_transport(cfg, self._stack)
+            mem = self._core.memory
+            transport = await open_transport(
+                cfg, self._stack,
+                cuda_device=mem.device.index if mem is not None and mem.device.type == "cuda"
+                else None)
             self._core.paths.tcp = await open_tcp(cfg, self._stack, self.nats_url)
         tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._core.attach(control, transport, tg.start_soon)

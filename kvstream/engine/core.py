@@ -242,9 +242,14 @@ class Core:
         return StreamEnv(config=self.config, transport=transport, memory=self.mem(),
                          staging=self.staging, request_abort=self.request_abort,
                          publish_done=self.publish_done, count=self.count,
-                         peer_alive=self.registry.alive,
+                         peer_alive=self.registry.alive, peer_on_cpu=self.peer_on_cpu,
                          address_shared=self.registry.address_shared,
                          forget=lambda peer, address: self.forget(peer, address, transport))
+
+    def peer_on_cpu(self, peer: str) -> bool:
+        """Whether ``peer`` announces its KV in host memory (not announced: assumed so)."""
+        ann = self.registry.announced(peer)
+        return ann is None or ann.kv_device in ("", "cpu")
 
     def forget(self, peer: str, address: bytes, transport: Transport | None = None) -> None:
         """Abort our endpoint to ``peer`` and say so in our announcements (``forgot``):

@@ -47,11 +47,15 @@ async def open_control(cfg: AgentConfig, stack: contextlib.AsyncExitStack
     return bus, url
 
 
-async def open_transport(cfg: AgentConfig, stack: contextlib.AsyncExitStack) -> Transport:
+async def open_transport(cfg: AgentConfig, stack: contextlib.AsyncExitStack, *,
+                         cuda_device: int | None = None) -> Transport:
+    """The UCX worker; ``cuda_device``: the registered KV's GPU, current on UCX's progress
+    thread (ucxx makes GPU 0 current there, a context on GPU 0 for every TP rank)."""
     from kvstream.dataplane.ucx import UcxWorker
 
     worker = await UcxWorker.open(progress_mode=cfg.progress_mode,
-                                  error_handling=cfg.ucx_error_handling)
+                                  error_handling=cfg.ucx_error_handling,
+                                  cuda_device=cuda_device)
     stack.push_async_callback(_shielded, worker.close)
     return worker
 

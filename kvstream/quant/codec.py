@@ -118,7 +118,7 @@ def _backend(geo: Geometry, mem: RegisteredKV, codec: str, prefer: str | None) -
     if mem.device.type == "cuda" and prefer in (None, "cuda"):
         from kvstream.quant import cuda
 
-        kernels = cuda.load()
+        kernels = cuda.load(mem.device.index)
         if kernels is not None:
             return cuda.CudaBackend(geo, kernels, codec)
     if mem.device.type == "cpu" and prefer in (None, "cpu"):

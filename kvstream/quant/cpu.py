@@ -9,7 +9,7 @@ the event loop keeps sending. The library is built for this CPU (``-march=native
 and as portable C otherwise; the cache key covers the source, the flags, the
 compiler and the CPU (``kvstream.native`` builds and caches it), so a changed kernel,
 or a cache shared across machines, never loads a mismatched build. Without a
-C compiler or the source (an installed wheel has no csrc/), ``load()`` returns
+C compiler (the sources ship in the package: ``kvstream/csrc/``), ``load()`` returns
 None and callers fall back to the torch reference, with a warning.
 """
 

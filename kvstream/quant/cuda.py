@@ -5,8 +5,8 @@ Gather + quantize reads the blocks by id straight out of the engine's layer tens
 wire buffer, and dequantize + scatter writes them straight back: no staging copy and no
 per-step float32 tensors (what makes the torch reference slow). Every call waits for its
 stream before returning, because the caller hands the buffer to UCX right after. Without
-cupy (``pip install kvstream[gpu]``), a CUDA device or the source (an installed wheel has no
-csrc/), ``load()`` returns None and the codec uses the torch reference on the GPU.
+cupy (``pip install kvstream[gpu]``) or a CUDA device, ``load()`` returns None and the
+codec uses the torch reference on the GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from kvstream import native
 from kvstream._exceptions import QuantizationError
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ _tried = False
 
 
 def source_path() -> Path:
-    return Path(__file__).resolve().parents[2] / "csrc" / "fp8.cu"
+    return native.csrc_path("fp8.cu")
 
 
 class Kernels:
@@ -59,7 +60,7 @@ class Kernels:
                            for c, pre in _PREFIXES.items()}
 
 
-def _compile() -> Kernels | None:
+def _compile(device: int) -> Kernels | None:
     try:
         import cupy
     except ImportError:
@@ -67,11 +68,11 @@ def _compile() -> Kernels | None:
         return None
     src = source_path()
     try:
-        import torch
-
         if not src.exists():
-            raise QuantizationError(f"{src} not found (kvstream installed without csrc/)")
-        with cupy.cuda.Device(torch.cuda.current_device()):
+            raise QuantizationError(f"{src} not found (kvstream installed without its kernel sources)")
+        # The KV's device, never this thread's current one: a build thread's is device 0,
+        # and a context made there costs every TP rank memory on GPU 0.
+        with cupy.cuda.Device(device):
             # get_function compiles and loads, so a broken kernel fails here and not mid-transfer.
             return Kernels(cupy.RawModule(code=src.read_text(), options=_OPTIONS))
     except Exception as exc:  # cupy's compile, NVRTC and driver errors share no base class
@@ -79,13 +80,19 @@ def _compile() -> Kernels | None:
         return None
 
 
-def load() -> Kernels | None:
-    """The kernels, compiled once per process (None where cupy or CUDA is missing)."""
+def load(device: int | None = None) -> Kernels | None:
+    """The kernels, compiled once per process on CUDA device ``device`` (the KV's; default:
+    the current one), None where cupy or CUDA is missing. cupy loads the compiled module
+    onto another device when a kernel is launched there."""
     global _loaded, _tried
     with _lock:
         if not _tried:
             _tried = True
-            _loaded = _compile()
+            if device is None:
+                import torch
+
+                device = torch.cuda.current_device()
+            _loaded = _compile(device)
         return _loaded
 
 

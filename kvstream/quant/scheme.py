@@ -95,6 +95,8 @@ def scale_groups(layout: KVLayout) -> tuple[int, int, int, int]:
         "cpu_hnbc": (2 * h, 1, 1, bs * d),
         "mla": (1, 1, 1, bs * d),            # one latent "head"
         "split_nhd": (1, bs, h, d),          # K's or V's tensor: a page [bs, h, d]
+        "hnd_kv": (h, bs, 2, d),             # chunk [h, bs, 2, d]: a group per head and K/V
+        "nhd_kv": (1, bs, 2 * h, d),         # chunk [bs, h, 2, d]: likewise, strided
     }[layout.arrangement]
 
 

@@ -242,6 +242,10 @@ def token_view(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
         return t.permute(1, 0, 2, 3, 4)
     if arr == "mla":  # [nb, bs, d]
         return t.view(1, nb, bs, 1, d)
+    if arr == "hnd_kv":  # [nb, h, bs, 2d]: per token K then V
+        return t.view(nb, layout.num_kv_heads, bs, 2, d).permute(3, 0, 2, 1, 4)
+    if arr == "nhd_kv":  # [nb, bs, h, 2d]
+        return t.view(nb, bs, layout.num_kv_heads, 2, d).permute(3, 0, 1, 2, 4)
     raise LayoutError(f"{arr}: K and V are not arranged alike; no one view holds both")
 
 

@@ -262,6 +262,7 @@ def runtime(monkeypatch) -> FakeRuntime:
     cupy.cuda = types.SimpleNamespace(runtime=rt, Device=lambda d: contextlib.nullcontext())
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(cuda_ipc, "_address_range", lambda ptr: (BASE, ALLOC))
+    monkeypatch.setattr(cuda_ipc, "_uuid", lambda d: UUID if d == 1 else b"\xff" * 16)
     monkeypatch.setattr(cuda_ipc, "_opened", {})
     monkeypatch.setattr(cuda_ipc, "_gpus", None)
     return rt
@@ -328,6 +329,30 @@ def test_open_refuses_a_handle_larger_than_its_mapping(runtime: FakeRuntime, mon
     with pytest.raises(ProtocolError, match="maps 8192 bytes"):
         cuda_ipc.open_handle(handle())
     assert runtime.closed == [BASE] and not cuda_ipc._opened  # unmapped, nothing leaked
+
+
+def test_a_gpu_uuid_keeps_its_zero_bytes(monkeypatch) -> None:
+    """The driver's CUuuid, all 16 bytes: cupy's ``getDeviceProperties()['uuid']`` cut a
+    UUID at its first zero byte, and that GPU never got CUDA IPC."""
+    import ctypes
+
+    uuid = bytes([0x12, 0x00, 0x34] + [0] * 5 + list(range(1, 9)))
+
+    class Driver:
+        def cuInit(self, flags) -> int:
+            return 0
+
+        def cuDeviceGet(self, out, ordinal) -> int:
+            return 0
+
+        def cuDeviceGetUuid_v2(self, raw, dev) -> int:
+            ctypes.memmove(raw, uuid, 16)
+            return 0
+
+    monkeypatch.setattr(cuda_ipc, "_libcuda", Driver())
+    assert cuda_ipc._uuid(0) == uuid and len(cuda_ipc._uuid(0)) == 16
+    with pytest.raises(DataPlaneError, match="16 bytes"):
+        cuda_ipc.uuid_of((ctypes.c_ubyte * 8)())
 
 
 def test_open_needs_the_exporters_gpu(runtime: FakeRuntime) -> None:

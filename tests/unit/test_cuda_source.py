@@ -1,4 +1,4 @@
-"""csrc/*.cu compile cleanly with nvcc (PTX only, so no GPU is needed).
+"""kvstream/csrc/*.cu compile cleanly with nvcc (PTX only, so no GPU is needed).
 
 Where the CUDA toolkit is missing these skip; the kernels are then only compiled at run
 time by cupy's NVRTC, on a GPU machine.
@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstream.native import csrc_path
 from kvstream.quant.cuda import KERNEL_NAMES, source_path
 
-SOURCES = sorted((Path(__file__).resolve().parents[2] / "csrc").glob("*.cu"))
+SOURCES = sorted(csrc_path("").glob("*.cu"))
+assert SOURCES, "no CUDA sources found in the package"  # they ship in kvstream/csrc/
 ARCHS = ("sm_80", "sm_90")
 
 

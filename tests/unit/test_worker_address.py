@@ -222,6 +222,36 @@ def test_transport_address_rules():
     check_worker_address(dev(sm, CMA, (1 << 31).to_bytes(4, "little") + bytes(12)))
 
 
+def test_ucx_1_22_lengths_inside_namespaces(monkeypatch):
+    """UCX 1.22 packs a namespace id in 4 bytes (1.21: an 8-byte inode) and adds the pid
+    namespace to cuda_ipc's iface address: with 1.22 loaded, a worker in a container (its
+    own namespaces) writes these lengths, and they pass; 1.21's are then refused."""
+    import kvstream.dataplane.address as address
+
+    def dev(d: bytes, csum: int, iface: bytes) -> bytes:
+        return _v1(_device(d, _entry(csum, iface)))
+
+    CUDA_IPC = address._crc16("cuda_ipc")
+    ns_dev = (1 << 63).to_bytes(8, "little")  # host id with the namespace flag
+    cma_ns = (1 << 31).to_bytes(4, "little")
+    monkeypatch.setattr(address, "_ns_bytes", 8)
+    address.set_ucx_version((1, 22, 0))
+    assert address.ucx_namespace_bytes() == 4
+    for ok in (dev(b"\x01\x02" + bytes(12), TCP, b"\x00\x01"),  # loopback: host id + ns
+               dev(ns_dev + bytes(4), SYSV, bytes(8)),
+               dev(ns_dev + bytes(4), CMA, cma_ns + bytes(4)),
+               dev(bytes(8), POSIX, ((1 << 63) | (1 << 60)).to_bytes(8, "little") + bytes(4)),
+               dev(bytes(8), CUDA_IPC, bytes(8)),  # pid + pid namespace
+               dev(bytes(8), CUDA_IPC, bytes(4))):
+        assert check_worker_address(ok) == ok
+    _refused(dev(b"\x01\x02" + bytes(16), TCP, b"\x00\x01"), "tcp entry")
+    _refused(dev(ns_dev + bytes(8), SYSV, bytes(8)), "16 bytes, 12")
+    _refused(dev(ns_dev + bytes(4), CMA, cma_ns + bytes(12)), "cma entry")
+    address.set_ucx_version((1, 21, 0))
+    _refused(dev(bytes(8), CUDA_IPC, bytes(8)), "cuda_ipc entry")
+    check_worker_address(dev(b"\x01\x02" + bytes(16), TCP, b"\x00\x01"))
+
+
 # --- what passes does not crash UCX ------------------------------------------------------
 
 def test_fifo_entries_must_name_a_fifo_like_ours():

@@ -114,10 +114,10 @@ class PrefillPushes:
             self._rt.spawn(st.handle.abort, reason)
 
     async def mark(self, push_ids: list[str], layer: int, event: Any | None) -> None:
-        """vLLM saved ``layer`` for these pushes (``event``: its CUDA event, waited here)."""
-        if event is not None:
-            while not event.query():
-                await anyio.sleep(0.0002)
+        """vLLM saved ``layer`` for these pushes (``event``: the CUDA event recorded after
+        the layer's KV write on vLLM's stream, waited here: only then is the layer ready)."""
+        if event is not None and not event.query():
+            await anyio.to_thread.run_sync(event.synchronize)
         for pid in push_ids:
             st = self._pushes.get(pid)
             if st is None or layer in st.ready:
@@ -301,11 +301,13 @@ class DecodePushes:
 
 
 def cuda_event(kv_layer: torch.Tensor) -> Any | None:
-    """An event after the layer's KV write on its device's stream (None on CPU: written)."""
+    """An event recorded after the layer's KV write, on the stream vLLM writes it on (the
+    layer's device's current stream: ``save_kv_layer`` runs on vLLM's forward thread);
+    None on CPU, where the write is done when vLLM calls."""
     if not kv_layer.is_cuda:
         return None
     import torch
 
     ev = torch.cuda.Event()
-    ev.record()
+    ev.record(torch.cuda.current_stream(kv_layer.device))
     return ev

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvstream._exceptions import AdapterError, ConfigError, KVStreamError, LayoutError
 from kvstream.adapters.vllm import ranks
+from kvstream.adapters.vllm.attention import attention_of, cache_scales
 from kvstream.adapters.vllm.caches import layer_indices, layout_of_vllm_caches
 from kvstream.adapters.vllm.common import (
     PUSH_TOPIC,
@@ -41,7 +42,7 @@ from kvstream.adapters.vllm.push import (
 )
 from kvstream.config import AgentConfig
 from kvstream.control.auth import NatsAuth
-from kvstream.layout import KVLayout
+from kvstream.layout import FP8_DTYPES, KVLayout
 from kvstream.tools import otel
 from kvstream.transfer.gathered import GatherHandle
 from kvstream.transfer.plan import TpInfo
@@ -125,7 +126,11 @@ class WorkerSide(Loads):
 
         if self._runtime is not None:
             raise AdapterError("register_kv_caches called twice")
-        layout, layers = layout_of_vllm_caches(kv_caches, arrangement=self._extra.get("arrangement"))
+        attention = attention_of(self._vllm_config)
+        layout, layers = layout_of_vllm_caches(kv_caches, attention=attention,
+                                               arrangement=self._extra.get("arrangement"))
+        scales = cache_scales(self._vllm_config, kv_caches) if layout.dtype in FP8_DTYPES \
+            else None
         trace_file = self._extra.get("trace_file")
         if trace_file or otel.otlp_requested():
             # Spans of this worker's transfers: a JSON-lines file (``kvstream trace`` draws
@@ -133,7 +138,8 @@ class WorkerSide(Loads):
             self._otel_close = otel.configure(f"vllm-{self._instance}", span_file=trace_file)
         self._layout, self._tp = layout, self._tp_share(layout)
         self._layer_of = layer_indices(kv_caches)
-        self._runtime = rt = AgentRuntime(self._agent_config(), layout, layers)
+        self._runtime = rt = AgentRuntime(self._agent_config(), layout, layers,
+                                          cache_scales=scales)
         self._pushes = PrefillPushes(rt, self._tp_rank, self._tp_size, layout, self._events)
         self._incoming = DecodePushes(rt)
         self._load = LoadReport(rt)
