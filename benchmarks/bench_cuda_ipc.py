@@ -11,7 +11,7 @@ and, for scale, one contiguous device-to-device copy of the same bytes (no scatt
     python benchmarks/bench_cuda_ipc.py                    # 512 MiB of 64 KiB blocks
     python benchmarks/bench_cuda_ipc.py --json --repeat 20 --block-kib 32
 
-GB/s counts the bytes copied once. Needs a CUDA GPU and cupy (pip install 'kvstream[gpu]');
+GB/s counts the bytes copied once. Needs a CUDA GPU and cupy (pip install 'kvstream[cu12]' or '[cu13]');
 the CPU kernel has its own benchmark, benchmarks/bench_blockcopy.py.
 """
 
@@ -33,7 +33,7 @@ def _gpu_missing() -> str | None:
         import cupy  # noqa: F401
         import torch
     except ImportError as exc:
-        return f"needs torch and cupy (pip install 'kvstream[gpu]'): {exc}"
+        return f"needs torch and cupy (pip install 'kvstream[cu12]' or '[cu13]'): {exc}"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU: none is visible (the CPU copy: benchmarks/bench_blockcopy.py)"
     return None

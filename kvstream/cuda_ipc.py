@@ -24,7 +24,7 @@ than the one that exported it (CUDA refuses the exporter's own), and opening one
 twice in a process maps it once (counted; the last ``close`` unmaps). Memory from torch's
 ``expandable_segments`` allocator or ``cudaMallocAsync`` pools cannot be exported this way.
 
-cupy (``pip install 'kvstream[gpu]'``) is imported on first use; the allocation's range
+cupy (``pip install 'kvstream[cu12]' or '[cu13]'``) is imported on first use; the allocation's range
 comes from the driver's ``cuMemGetAddressRange``, which cupy does not wrap (ctypes).
 
 Evolution of ``IpcHandle`` (a wire type): new fields get defaults and go last, no type
@@ -120,7 +120,7 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError as exc:
-        raise ConfigError("CUDA IPC needs cupy: pip install 'kvstream[gpu]'") from exc
+        raise ConfigError("CUDA IPC needs cupy: pip install 'kvstream[cu12]' or '[cu13]'") from exc
     return cupy
 
 

@@ -13,7 +13,7 @@ items, and nothing is written. The C library is built on first use (``kvstream.n
 ``-O3 -march=native`` on x86-64) and called through ctypes, which releases the GIL, so a
 caller may split a batch across its own threads. Without a C compiler (the sources ship
 in the package, ``kvstream/csrc/``) the copy falls back to one ``ctypes.memmove`` per item, with
-a warning once. cupy (``pip install 'kvstream[gpu]'``) is imported only by ``CudaBlockCopy``.
+a warning once. cupy (``pip install 'kvstream[cu12]' or '[cu13]'``) is imported only by ``CudaBlockCopy``.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError as exc:
-        raise ConfigError("the CUDA block copy needs cupy: pip install 'kvstream[gpu]'") from exc
+        raise ConfigError("the CUDA block copy needs cupy: pip install 'kvstream[cu12]' or '[cu13]'") from exc
     return cupy
 
 

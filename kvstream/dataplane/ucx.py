@@ -65,7 +65,9 @@ def _ucxx() -> Any:
     try:
         import ucxx
     except ImportError as exc:  # pragma: no cover - a hard dependency
-        raise DataPlaneError("the ucxx package is missing: pip install ucxx-cu12") from exc
+        raise DataPlaneError("the ucxx package is missing: pip install 'kvstream[cpu]' on a "
+                             "CPU-only host, 'kvstream[cu12]' or 'kvstream[cu13]' on a GPU host "
+                             "(kvstream doctor says which)") from exc
     return ucxx
 
 

@@ -81,6 +81,41 @@ def _versions_checks(v: Versions, hw: Hardware) -> list[Check]:
             Check(name="cuda", status="ok", message=f"{torch}, {cuda}, {cupy}")]
 
 
+def install_check(v: Versions, hw: Hardware) -> Check:
+    """Whether UCX and cupy are the builds for this host's CUDA (torch's), and what to
+    install when not: ucxx and cupy are built per CUDA major, one extra each."""
+    pkgs = v.cuda_packages
+    ucxx = sorted(n for n in pkgs if n.startswith("ucxx-cu"))
+    cupy = sorted(n for n in pkgs if n.startswith("cupy-cuda"))
+    major = v.torch_cuda.split(".")[0] if v.torch_cuda and hw.cuda_available else ""
+    extra = f"cu{major}" if major else "cpu"
+    if len(ucxx) > 1:
+        return Check(name="install", status="fail", message=(
+            f"{' and '.join(ucxx)} are both installed and overwrite each other: uninstall "
+            f"them (and their libucx/libucxx), then pip install 'kvstream[{extra}]'"))
+    if not ucxx:
+        return Check(name="install", status="fail",
+                     message=f"UCX (ucxx) is missing: pip install 'kvstream[{extra}]'")
+    if not major:
+        return Check(name="install", status="ok",
+                     message=f"{ucxx[0]} {pkgs[ucxx[0]]} (no GPU here: host memory only)")
+    if ucxx[0] != f"ucxx-cu{major}":
+        return Check(name="install", status="fail", message=(
+            f"{ucxx[0]} is installed but torch runs CUDA {v.torch_cuda}: uninstall it (and its "
+            f"libucx/libucxx), then pip install 'kvstream[{extra}]'"))
+    if len(cupy) > 1 or (cupy and cupy[0] != f"cupy-cuda{major}x"):
+        return Check(name="install", status="fail", message=(
+            f"{', '.join(cupy)} installed but torch runs CUDA {v.torch_cuda}: keep only "
+            f"cupy-cuda{major}x (pip install 'kvstream[{extra}]')"))
+    if not cupy:
+        return Check(name="install", status="warn", message=(
+            f"cupy-cuda{major}x is missing: CUDA IPC between processes and the CUDA codec "
+            f"kernels are off (pip install 'kvstream[{extra}]')"))
+    return Check(name="install", status="ok", message=(
+        f"{ucxx[0]} {pkgs[ucxx[0]]} and {cupy[0]} {pkgs[cupy[0]]} match torch's CUDA "
+        f"{v.torch_cuda}"))
+
+
 def _host_checks(hw: Hardware, shm: SharedMemory) -> list[Check]:
     gpus = (f"{hw.gpu_count} GPU" + ("s" if hw.gpu_count > 1 else "")
             + (f" ({hw.gpu_names[0]})" if hw.gpu_names else "")) if hw.gpu_count else "no GPU"
@@ -175,7 +210,8 @@ def _nats_check(n: NatsReport) -> Check:
 def judge(versions: Versions, hardware: Hardware, shm: SharedMemory, ucx: UcxReport,
           nats: NatsReport, *, link_check: bool = True) -> tuple[Check, ...]:
     """The checks, in print order, from the facts ``run_checks`` gathered. Pure."""
-    return (*_versions_checks(versions, hardware), *_host_checks(hardware, shm),
+    return (*_versions_checks(versions, hardware), install_check(versions, hardware),
+            *_host_checks(hardware, shm),
             *_ucx_checks(versions, ucx, link_check), _nats_check(nats))
 
 

@@ -11,11 +11,26 @@ from importlib import metadata
 
 from kvstream.doctor.report import Hardware, SharedMemory, Versions
 
-__all__ = ["THP_PATH", "hardware_and_versions", "shared_memory"]
+__all__ = ["THP_PATH", "cuda_packages", "hardware_and_versions", "shared_memory"]
 
 THP_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 # ucxx ships as one wheel per CUDA major version.
 _UCXX_DISTS = ("ucxx-cu12", "ucxx-cu13", "ucxx-cu11", "ucxx")
+
+
+_PER_CUDA = ("ucxx-cu11", "ucxx-cu12", "ucxx-cu13", "libucx-cu12", "libucx-cu13",
+             "cupy-cuda11x", "cupy-cuda12x", "cupy-cuda13x")
+
+
+def cuda_packages() -> dict[str, str]:
+    """The installed packages that exist once per CUDA major version, with versions."""
+    found = {}
+    for dist in _PER_CUDA:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def _version(*dists: str) -> str:
@@ -87,7 +102,8 @@ def hardware_and_versions() -> tuple[Hardware, Versions]:
         kvstream=_version("kvstream") or _kvstream_version(), python=platform.python_version(),
         ucxx=_version(*_UCXX_DISTS), ucx="", torch=_version("torch"), torch_cuda=torch_cuda,
         nats_py=_version("nats-py"), msgspec=_version("msgspec"), numpy=_version("numpy"),
-        cupy=cupy_version or _version("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"))
+        cupy=cupy_version or _version("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"),
+        cuda_packages=cuda_packages())
     return hardware, versions
 
 

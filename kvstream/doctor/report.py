@@ -50,6 +50,8 @@ class Versions(msgspec.Struct, frozen=True, kw_only=True):
     msgspec: str
     numpy: str
     cupy: str
+    # packages built per CUDA major that are installed (ucxx-cu12, cupy-cuda13x, ...)
+    cuda_packages: dict[str, str] = {}
 
 
 class Hardware(msgspec.Struct, frozen=True, kw_only=True):

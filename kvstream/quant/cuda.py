@@ -5,7 +5,7 @@ Gather + quantize reads the blocks by id straight out of the engine's layer tens
 wire buffer, and dequantize + scatter writes them straight back: no staging copy and no
 per-step float32 tensors (what makes the torch reference slow). Every call waits for its
 stream before returning, because the caller hands the buffer to UCX right after. Without
-cupy (``pip install kvstream[gpu]``) or a CUDA device, ``load()`` returns None and the
+cupy (``pip install 'kvstream[cu12]' or '[cu13]'``) or a CUDA device, ``load()`` returns None and the
 codec uses the torch reference on the GPU.
 """
 
@@ -64,7 +64,8 @@ def _compile(device: int) -> Kernels | None:
     try:
         import cupy
     except ImportError:
-        log.info("cupy not installed (pip install kvstream[gpu]): the codecs use the torch path on the GPU")
+        log.info("cupy not installed (pip install 'kvstream[cu12]' or '[cu13]'): the codecs "
+                 "use the torch path on the GPU")
         return None
     src = source_path()
     try:

@@ -22,7 +22,7 @@ from kvstream.doctor.ucx_log import parse_log, used_transports
 
 VERSIONS = Versions(kvstream="0.1.0", python="3.11.7", ucxx="0.52.00", ucx="1.21.0",
                     torch="2.13.0+cpu", torch_cuda="", nats_py="2.16.0", msgspec="0.23.0",
-                    numpy="2.4.6", cupy="")
+                    numpy="2.4.6", cupy="", cuda_packages={"ucxx-cu12": "0.52.0"})
 HARDWARE = Hardware(cpu_count=2, memory_total_bytes=8 << 30, cuda_available=False, gpu_count=0)
 SHM = SharedMemory(path="/dev/shm", exists=True, total_bytes=64 << 20, free_bytes=60 << 20,
                    transparent_hugepages="madvise")
@@ -85,13 +85,38 @@ def test_judge_a_healthy_host():
     checks = judge(VERSIONS, HARDWARE, msgspec.structs.replace(SHM, free_bytes=8 << 30),
                    UCX, NATS_UP)
     by = _by_name(checks)
-    assert [c.name for c in checks] == ["versions", "cuda", "hardware", "shm", "thp", "ucx",
-                                        "ucx.host", "ucx.device", "link", "nats"]
+    assert [c.name for c in checks] == ["versions", "cuda", "install", "hardware", "shm", "thp",
+                                        "ucx", "ucx.host", "ucx.device", "link", "nats"]
     assert {c.status for c in checks} == {"ok", "skip"}
     assert by["ucx.device"].message == "skipped: no CUDA"
     assert by["ucx.host"].message == "host memory: sysv, cma"
     assert "5.20 GB/s over cma" in by["link"].message and "0.74x" in by["link"].message
     assert "NATS 2.15.1 (jetstream)" in by["nats"].message
+
+
+def test_the_install_check_says_what_a_gpu_host_is_missing():
+    from kvstream.doctor.checks import install_check
+
+    gpu = msgspec.structs.replace(HARDWARE, cuda_available=True, gpu_count=1)
+    cu13 = msgspec.structs.replace(VERSIONS, torch="2.11.0+cu130", torch_cuda="13.0")
+
+    def check(pkgs: dict[str, str], versions: Versions = cu13, hw: Hardware = gpu) -> Check:
+        return install_check(msgspec.structs.replace(versions, cuda_packages=pkgs), hw)
+
+    assert check({}, VERSIONS, HARDWARE).message == \
+        "UCX (ucxx) is missing: pip install 'kvstream[cpu]'"
+    assert check({"ucxx-cu12": "0.52.0"}, VERSIONS, HARDWARE).status == "ok"
+    wrong = check({"ucxx-cu12": "0.52.0", "cupy-cuda12x": "13.6"})
+    assert wrong.status == "fail" and "torch runs CUDA 13.0" in wrong.message
+    assert "'kvstream[cu13]'" in wrong.message
+    both = check({"ucxx-cu12": "0.52.0", "ucxx-cu13": "0.52.0"})
+    assert both.status == "fail" and "overwrite each other" in both.message
+    no_cupy = check({"ucxx-cu13": "0.52.0"})
+    assert no_cupy.status == "warn" and "cupy-cuda13x is missing" in no_cupy.message
+    cupy12 = check({"ucxx-cu13": "0.52.0", "cupy-cuda12x": "13.6"})
+    assert cupy12.status == "fail" and "keep only cupy-cuda13x" in cupy12.message
+    good = check({"ucxx-cu13": "0.52.0", "cupy-cuda13x": "14.0"})
+    assert good.status == "ok" and "match torch's CUDA 13.0" in good.message
 
 
 def test_judge_warnings_and_failures():

@@ -110,3 +110,13 @@ def test_side_state_split_decides_what_moves_between_tp_degrees():
     # MLA: everything but Mamba is the same on every rank
     args.kv_item_lens = [page] * 6
     assert {g.split for g in side_groups(args, "cpu", mla=True)[1]} == {REPLICATED}
+
+
+def test_a_gpu_pool_is_wrapped_without_cupy():
+    """SGLang's device pools become tensors through the CUDA array interface (torch alone:
+    the sglang extra needs no cupy)."""
+    from kvstream.adapters.sglang.memory import DeviceBuffer
+
+    assert DeviceBuffer(0x7F0000001000, 4096).__cuda_array_interface__ == {
+        "shape": (4096,), "typestr": "|u1", "data": (0x7F0000001000, False), "strides": None,
+        "version": 3}

@@ -23,7 +23,16 @@ import torch
 from kvstream._exceptions import AdapterError
 from kvstream.layout import KVLayout
 
-__all__ = ["AuxRows", "kv_buffers", "kvs_layout", "wrap"]
+__all__ = ["AuxRows", "DeviceBuffer", "kv_buffers", "kvs_layout", "wrap"]
+
+
+class DeviceBuffer:
+    """``nbytes`` of device memory at ``ptr``, described by the CUDA array interface (what
+    ``torch.as_tensor`` wraps without a copy, no cupy needed); not owned."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None, "version": 3}
 
 
 def wrap(ptr: int, nbytes: int, device: str, gpu_id: int = 0) -> torch.Tensor:
@@ -33,13 +42,7 @@ def wrap(ptr: int, nbytes: int, device: str, gpu_id: int = 0) -> torch.Tensor:
     if device == "cpu":
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         return torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
-    try:
-        import cupy
-    except ImportError as exc:
-        raise AdapterError("GPU KV pools need cupy: pip install 'kvstream[gpu]'") from exc
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=gpu_id)
-    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    return torch.from_dlpack(arr)
+    return torch.as_tensor(DeviceBuffer(ptr, nbytes), device=f"cuda:{gpu_id}")
 
 
 def kvs_layout(lens: Sequence[int], item_lens: Sequence[int], page_size: int,
