@@ -253,3 +253,58 @@ async def test_fp8_kv_moves_with_its_scales_and_other_scales_are_refused(nats_se
         got = tokens(read_flash(same[name]), dst, TOKENS)
         assert torch.equal(got, tokens(read_flash(src_caches[name]), src, TOKENS)), name
         assert not other[name].any()
+
+
+def test_the_connector_registers_vllms_gpu_tensors_with_their_fp8_scales(nats_server,
+                                                                          tiny_model):
+    """``KVStreamConnector.register_kv_caches`` in a worker whose attention layers report
+    FlashAttention in layout LBHNC, with an fp8 cache: the agent registers vLLM's tensors
+    (allocated by vLLM's code) as ``hnd_kv`` in float8_e4m3fn, with every layer's scales."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    from kvstream.adapters.vllm import KVStreamConnector
+
+    try:
+        from . import engines as E
+    except ImportError:
+        import engines as E  # type: ignore[no-redef]
+
+    class Layer(AttentionLayerBase):  # what vLLM's forward context holds, reduced
+        def __init__(self, k: float, v: float) -> None:
+            self._k_scale_float, self._v_scale_float = k, v
+
+        def get_attn_backend(self):  # type: ignore[override]
+            return FlashAttentionBackend
+
+        def get_kv_cache_spec(self, vllm_config):  # type: ignore[override]
+            return None
+
+    config = EngineArgs(model=str(tiny_model), dtype="float16", enforce_eager=True,
+                        max_model_len=256, block_size=32, kv_cache_dtype="fp8",
+                        kv_transfer_config=E.kv_config("kv_producer", nats_server.url,
+                                                       instance_id="conn-gpu")
+                        ).create_engine_config()
+    config.cache_config.kv_cache_layout = "LBHNC"  # as the engine core resolves it
+    context = config.compilation_config.static_forward_context
+    for i, name in enumerate(NAMES):
+        context[name] = Layer(0.5 + i, 0.25 + i)
+    caches = vllm_caches(32, heads=2, dtype=torch.uint8)
+    connector = KVStreamConnector(config, KVConnectorRole.WORKER, None)
+    try:
+        connector.register_kv_caches(caches)
+        worker = connector._worker
+        assert worker is not None and worker._runtime is not None
+        agent = worker._runtime.agent
+        assert agent is not None and agent.memory is not None
+        lay = agent.memory.layout
+        assert (lay.arrangement, lay.dtype, lay.num_kv_heads, lay.block_size) == (
+            "hnd_kv", "float8_e4m3fn", 2, 32)
+        assert agent.memory.cache_scales == [0.5, 0.25, 1.5, 1.25, 2.5, 2.25]
+        assert agent.memory.layers[0].data_ptr() == caches[NAMES[0]].data_ptr()  # no copy
+    finally:
+        connector.shutdown()
+        for name in NAMES:
+            context.pop(name, None)
