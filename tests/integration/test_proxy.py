@@ -582,13 +582,31 @@ async def test_push_sends_both_legs_at_once_naming_each_engine_to_the_other(nats
         assert proxy.statistics().pushed == 0 and proxy.statistics().push_declined == 1
 
 
+async def _push_noted(proxy: Proxy, client: aiohttp.ClientSession, decode: Agent,
+                      d_eng: FakeEngine, notes: list[tuple[str, object]]) -> None:
+    """One completion through a push proxy whose decode engine answers once its agent got
+    a push note (kept in ``notes`` with its sender)."""
+    from kvstream.control.push_notes import PUSH_TOPIC, decode_note
+
+    def on_note(sender: str, body: bytes) -> None:
+        notes.append((sender, decode_note(body)))
+        d_eng.release.set()
+
+    decode.on_note(PUSH_TOPIC, on_note)
+    await until_routable(proxy, 1, 1)
+    body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
+    with anyio.fail_after(20):
+        async with client.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers[ROUTE_HEADER] == "prefill-decode-push"
+
+
 async def test_a_failed_prefill_leg_of_a_push_tells_every_decode_rank_at_once(nats_server):
     """The P leg of a push fails at the proxy (its engine answers 500: no rank of it ever
     heard of the request, so none will note the push failed): the proxy itself sends the
     decode engine a signed "failed" note for the push id, naming itself in the D leg's
     params as one whose note counts, so the decode rank recomputes now instead of waiting
     out its reservation."""
-    from kvstream.control.push_notes import PUSH_TOPIC, decode_note
 
     lay = small_layout()
     p_eng = FakeEngine("p", status=500)
@@ -596,17 +614,7 @@ async def test_a_failed_prefill_leg_of_a_push_tells_every_decode_rank_at_once(na
     notes: list[tuple[str, object]] = []
     async with push_pair(nats_server, "px-pushf", ("px-fp", "px-fd"), p_eng, d_eng,
                          lay) as (proxy, client, decode):
-        def on_note(sender: str, body: bytes) -> None:
-            notes.append((sender, decode_note(body)))
-            d_eng.release.set()
-
-        decode.on_note(PUSH_TOPIC, on_note)
-        await until_routable(proxy, 1, 1)
-        body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
-        with anyio.fail_after(20):
-            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                assert resp.headers[ROUTE_HEADER] == "prefill-decode-push"
+        await _push_noted(proxy, client, decode, d_eng, notes)
         (_, d_body, _), = d_eng.received
         ours = d_body["kv_transfer_params"]["kvstream"]
         assert ours["by"] == proxy.proxy_id
@@ -624,7 +632,6 @@ async def test_a_push_whose_prefill_engine_is_unreachable_is_noted_as_never_offe
         nats_server):
     """The prefill engine died (its agent still announced, nothing listens at its URL): the
     proxy's note says nothing was offered, so the decode rank recomputes without a pull."""
-    from kvstream.control.push_notes import PUSH_TOPIC, decode_note
 
     lay = small_layout()
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens at the prefill's URL
@@ -638,16 +645,7 @@ async def test_a_push_whose_prefill_engine_is_unreachable_is_noted_as_never_offe
                   layout=lay, kv_caches=cache(lay, 8, fill=False)), \
             Agent(cfg("px-ud", nats_server, namespace=ns, role="decode", endpoint=d_eng.url),
                   layout=lay, kv_caches=cache(lay, 8, fill=False)) as decode:
-        def on_note(sender: str, body: bytes) -> None:
-            notes.append((sender, decode_note(body)))
-            d_eng.release.set()
-
-        decode.on_note(PUSH_TOPIC, on_note)
-        await until_routable(proxy, 1, 1)
-        body = {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0.0}
-        with anyio.fail_after(20):
-            async with client.post(proxy.url + "/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
+        await _push_noted(proxy, client, decode, d_eng, notes)
         (sender, note), = notes
         assert sender == proxy.proxy_id and note is not None and note.state == "failed"
         assert note.offered is False and "Cannot connect" in note.reason, note
