@@ -31,7 +31,8 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device: run on a GPU host after pip install -e '.[gpu]'")
+    skip = pytest.mark.skip(reason="needs a CUDA device: run on a GPU host after "
+                                   "pip install -e '.[cu13]' (or '.[cu12]')")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

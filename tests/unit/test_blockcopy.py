@@ -364,7 +364,7 @@ def test_open_needs_the_exporters_gpu(runtime: FakeRuntime) -> None:
 
 def test_without_cupy_the_error_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(ConfigError, match=r"kvstream\[gpu\]"):
+    with pytest.raises(ConfigError, match=r"kvstream\[cu12\]. or .\[cu13\]"):
         cuda_ipc.open_handle(handle())
-    with pytest.raises(ConfigError, match=r"kvstream\[gpu\]"):
+    with pytest.raises(ConfigError, match=r"kvstream\[cu12\]. or .\[cu13\]"):
         blockcopy.CudaBlockCopy()
