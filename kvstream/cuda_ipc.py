@@ -162,8 +162,9 @@ def _uuid(device: int) -> bytes:
     lib = _driver()
     handle = ctypes.c_int()
     raw = (ctypes.c_ubyte * UUID_BYTES)()
-    if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)) or \
-            lib.cuDeviceGetUuid_v2(raw, handle):
+    get = getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    if get is None or lib.cuInit(0) or \
+            lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)) or get(raw, handle):
         return b""
     return uuid_of(raw)
 

@@ -15,7 +15,8 @@
 # Phases: install, environment (versions, devices, `kvstream doctor`), tests
 # (pytest -m gpu tests/gpu), benchmarks (bench_gpu.py: codec kernels vs torch, a pull of
 # scattered device blocks while the default stream is busy; bench_cuda_ipc.py). Files:
-# summary.md, env.txt, tests.log, gpu-tests.xml, bench.json, bench.log, cuda-ipc.json.
+# summary.md, env.txt, tests.log, gpu-tests.xml, bench.json, bench.log, cuda-ipc.json (and
+# each phase's .err).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
@@ -31,7 +32,7 @@ export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 say() { echo "$*" | tee -a "$SUMMARY"; }
 # run NAME SECONDS LOG CMD...: one phase, bounded by its share and by what the budget has
-# left, its output to LOG ("-": here)
+# left, its output to LOG and its errors to LOG.err ("-": both here)
 run() {
     local name=$1 want=$2 log=$3 t0 rc budget
     shift 3
@@ -42,7 +43,7 @@ run() {
     if [[ $log == - ]]; then
         timeout --kill-after=5 "$budget" "$@"
     else
-        timeout --kill-after=5 "$budget" "$@" > "$log" 2>&1
+        timeout --kill-after=5 "$budget" "$@" > "$log" 2> "$log.err"
     fi
     rc=$?
     say "- $name: $([[ $rc == 0 ]] && echo ok || { [[ $rc == 124 || $rc == 137 ]] && echo "stopped at ${budget} s" || echo "failed (rc=$rc)"; }) in $(( $(date +%s) - t0 )) s"
@@ -74,7 +75,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 # -- environment ----------------------------------------------------------------------------
 {
     command -v nvidia-smi > /dev/null && nvidia-smi -L 2>&1
-    "$PY" - <<'EOF' 2>&1
+    timeout 60 "$PY" - <<'EOF' 2>&1
 import importlib
 for name in ("torch", "cupy", "ucxx", "nats", "msgspec", "nacl", "kvstream"):
     try:
@@ -86,7 +87,7 @@ import torch
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
-    "$PY" -m kvstream.tools.cli doctor 2>&1 | tail -40 || true
+    timeout 60 "$PY" -m kvstream.tools.cli doctor 2>&1 | tail -40
 } > "$OUTDIR/env.txt"
 say "- environment: $(grep -E '^(torch|cupy|ucxx|cuda) ' "$OUTDIR/env.txt" | tr '\n' ';')"
 grep -q MISSING "$OUTDIR/env.txt" && say "  missing: $(grep MISSING "$OUTDIR/env.txt" | cut -c1-200 | tr '\n' ';')"
@@ -104,6 +105,7 @@ run "bench_gpu.py" 100 "$OUTDIR/bench.log" "$PY" benchmarks/gpu/bench_gpu.py --s
 run "bench_cuda_ipc.py" 60 "$OUTDIR/cuda-ipc.json" "$PY" benchmarks/bench_cuda_ipc.py --json \
     --total-mib 256 --repeat 5
 [[ -s "$OUTDIR/cuda-ipc.json" ]] && tail -c 1500 "$OUTDIR/cuda-ipc.json" | sed 's/^/    /' >> "$SUMMARY"
+[[ -s "$OUTDIR/cuda-ipc.json.err" ]] && tail -n 3 "$OUTDIR/cuda-ipc.json.err" | sed 's/^/    /' >> "$SUMMARY"
 say ""
 say "done in $(( $(date +%s) - START )) s of $BUDGET"
 exit 0

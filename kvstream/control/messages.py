@@ -71,7 +71,9 @@ PROTOCOL_VERSION: Final = 2
 MIN_PROTOCOL_VERSION: Final = 2
 
 Role = Literal["prefill", "decode", "both"]
-KVEventsState = Literal["", "ok", "waiting", "missing", "off"]
+# "", "ok", "waiting", "missing", "off"; a bounded string on the wire, so a state added
+# later does not make older peers refuse the whole announcement (they read it as "")
+KVEventsState = Annotated[str, msgspec.Meta(max_length=16)]
 Mode = Literal["pipelined", "eager"]
 PullMode = Literal["eager", "lazy"]
 Status = Literal["completed", "failed", "aborted", "timed_out", "expired"]

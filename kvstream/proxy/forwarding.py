@@ -36,7 +36,11 @@ __all__ = ["HTTP_ERRORS", "Legs", "PrefillUnreachable"]
 
 log = logging.getLogger("kvstream.proxy")
 
-Cached = Callable[[], Awaitable[int | None]]  # the prefill's own cache hits, once it answered
+# The prefill's own cache hits, waiting at most the given seconds for its answer (None: unknown)
+Cached = Callable[[float], Awaitable[int | None]]
+# How long a JSON answer may wait for the prefill's figure; a stream never waits (an event
+# passes unpatched until the prefill has answered).
+USAGE_WAIT_S: Final = 2.0
 
 HTTP_ERRORS: Final = (aiohttp.ClientError, asyncio.TimeoutError)
 # The engine could not be reached at all: nothing was sent, try it again later only.
@@ -184,7 +188,7 @@ class Legs:
                 self._counts["decode_errors"] += 1
                 raise ProxyError(f"decode {d.url} failed: {str(exc) or type(exc).__name__}",
                                  status=502, code="decode_failed") from exc
-            hits = await cached()
+            hits = await cached(USAGE_WAIT_S) if b'"prompt_tokens_details"' in body else None
             return web.Response(status=resp.status, content_type=resp.content_type,
                                 body=body if hits is None else patch_json(body, hits),
                                 headers={"X-Request-Id": request_id, ROUTE_HEADER: route})
@@ -202,7 +206,7 @@ class Legs:
             async for chunk in resp.content.iter_any():
                 if sse is not None:
                     if sse.cached is None and cached is not None and sse.needs(chunk):
-                        sse.cached = await cached()
+                        sse.cached = await cached(0.0)
                     chunk = sse.feed(chunk)
                 await out.write(chunk)
             if sse is not None:

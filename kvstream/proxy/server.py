@@ -233,10 +233,15 @@ class Proxy(Legs):
 
         prefill = asyncio.ensure_future(p_leg())
 
-        async def cached() -> int | None:
-            # The decode's answer ends after the push's KV came, so the prefill has (almost
-            # always) answered; its leg ends within prefill_timeout_s anyway.
-            return await asyncio.shield(prefill)
+        async def cached(wait: float) -> int | None:
+            # The prefill has almost always answered by the decode's usage (its forward
+            # came before the decode's first token); a decode that recomputed may finish
+            # first: its answer is never held for more than ``wait``.
+            if not prefill.done():
+                await asyncio.wait({prefill}, timeout=wait)
+            if not prefill.done() or prefill.cancelled():
+                return None
+            return prefill.result()
 
         # ``d_params`` name the prefill's offer of the push: released if D fails.
         try:

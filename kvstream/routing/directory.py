@@ -40,6 +40,10 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
 _EVENT_STATES = ("missing", "off", "waiting", "ok", "")
 
 
+def _known(state: str) -> str:
+    return state if state in _EVENT_STATES else ""  # a newer peer's state: not said
+
+
 def pick(instances: Sequence[Instance], inflight: Mapping[str, int], turn: int) -> Instance | None:
     """The least loaded instance, None if there is none.
 
@@ -104,7 +108,7 @@ class Directory:
         for url, group in announced.items():
             found[url] = Instance(url=url, instance_ids=tuple(sorted(a.instance_id for a in group)),
                                   load=max(a.load for a in group),
-                                  kv_events=min((a.kv_events for a in group),
+                                  kv_events=min((_known(a.kv_events) for a in group),
                                                 key=_EVENT_STATES.index))
         return [i for url, i in found.items() if url not in self._unreachable]
 

@@ -78,6 +78,7 @@ class WorkerSide(Loads):
         self._tp = TpInfo(rank=self._tp_rank, size=self._tp_size)
         self._layout: KVLayout | None = None
         self._kv_bridge: EventBridge | None = None  # vLLM's KV events, rank 0 (kv_events.py)
+        self._filled = 0  # blocks this step fills, noted for the bridge at its end
         # Pushes (push.py): the prefill's, on the agent's loop; the push ids of the step
         # being computed (engine thread); vLLM's layer names -> layer index
         self._pushes: PrefillPushes | None = None
@@ -126,9 +127,10 @@ class WorkerSide(Loads):
 
         if self._runtime is not None:
             raise AdapterError("register_kv_caches called twice")
-        attention = attention_of(self._vllm_config)
+        arrangement = self._extra.get("arrangement")  # the operator's word wins
+        attention = attention_of(self._vllm_config) if arrangement is None else None
         layout, layers = layout_of_vllm_caches(kv_caches, attention=attention,
-                                               arrangement=self._extra.get("arrangement"))
+                                               arrangement=arrangement)
         scales = cache_scales(self._vllm_config, kv_caches) if layout.dtype in FP8_DTYPES \
             else None
         trace_file = self._extra.get("trace_file")
@@ -213,8 +215,8 @@ class WorkerSide(Loads):
         self._step = []
         if self._load is not None:
             self._load.begin(meta.load if meta is not None else None)
-        if self._kv_bridge is not None and meta is not None and meta.filled:
-            self._kv_bridge.filled(meta.filled, time.monotonic())
+        # noted at the step's end (wait_for_save), as vLLM publishes the step's events
+        self._filled = meta.filled if meta is not None else 0
         if meta is None or self._runtime is None:
             return
         for rid, off in meta.offer.items():
@@ -257,6 +259,9 @@ class WorkerSide(Loads):
 
     def wait_for_save(self, meta: KVStreamMetadata | None) -> None:
         step, self._step = self._step, []
+        if self._kv_bridge is not None and self._filled:
+            self._kv_bridge.filled(self._filled, time.monotonic())
+        self._filled = 0
         if self._load is not None:
             self._load.end()
         if meta is None or not (meta.offer or meta.abort_offer):
