@@ -1,5 +1,5 @@
 /*
- * kvstream batched block copy, CPU path (issue 17): n items of `nbytes` each, item i from
+ * kvstream batched block copy, CPU path: n items of `nbytes` each, item i from
  * src + src_off[i] to dst + dst_off[i], in one call. The same-host "one copy" path maps the
  * source's KV read-only and copies its scattered blocks straight into scattered destination
  * blocks with this: one copy, no staging buffer.

@@ -1,5 +1,5 @@
 /*
- * kvstream batched block copy, CUDA path (issue 17): n items of `nbytes` each, item i from
+ * kvstream batched block copy, CUDA path: n items of `nbytes` each, item i from
  * src + src_off[i] to dst + dst_off[i], in one launch. The same-host "one copy" path opens the
  * source's KV through CUDA IPC and copies its scattered blocks straight into scattered blocks
  * of the destination's KV with this: one copy, no staging, one launch per layer.

@@ -1,5 +1,5 @@
 /*
- * kvstream batched matrix transpose, CPU (issue 18): n items, item k a `rows` x `cols`
+ * kvstream batched matrix transpose, CPU: n items, item k a `rows` x `cols`
  * matrix of `esize`-byte elements at src + src_off[k] (row stride `src_stride` elements,
  * elements contiguous in a row), written transposed, `cols` x `rows`, at dst + dst_off[k]
  * (row stride `dst_stride` elements).
