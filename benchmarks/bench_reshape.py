@@ -48,7 +48,7 @@ def _cfg(name: str, url: str) -> AgentConfig:
 
 async def _one(p: Agent, d: Agent, rid: str, src: list[int], dst: list[int],
                tokens: int) -> float:
-    rx = d.expect(rid, dst)
+    rx = d.expect(rid, dst, src=p.instance_id)
     t0 = time.perf_counter()
     tx = await p.push(rid, d.instance_id, src, tokens=tokens)
     tx.all_ready()

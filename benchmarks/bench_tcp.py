@@ -180,8 +180,9 @@ async def receiver(a: argparse.Namespace) -> None:
     print(f"CTRL {ctrl_l.extra(anyio.abc.SocketAttribute.local_port)}", flush=True)
     ctrl = Ctrl(await cast(SocketListener, ctrl_l.listeners[0]).accept())
     await ctrl.put(plain=plain_l.getsockname()[1], tcp=tcp.address.decode(),
-                   ucx=ucx.address.hex() if ucx else None)
+                   tcp_token=tcp.token_for("send").hex(), ucx=ucx.address.hex() if ucx else None)
     hello = await ctrl.get()
+    tcp.set_credentials(hello["tcp"].encode(), "recv", bytes.fromhex(hello["tcp_token"]))
     peers = {"tcp": (tcp, hello["tcp"].encode())}
     if ucx:
         peers["ucx"] = (ucx, bytes.fromhex(hello["ucx"]))
@@ -229,7 +230,9 @@ async def sender(a: argparse.Namespace) -> None:
     hello = await ctrl.get()
     tcp = await TcpTransport.open(a.host, lanes=a.lanes, limits=_limits(a))
     ucx = await _open_ucx(a.ucx)
-    await ctrl.put(tcp=tcp.address.decode(), ucx=ucx.address.hex() if ucx else None)
+    await ctrl.put(tcp=tcp.address.decode(), tcp_token=tcp.token_for("recv").hex(),
+                   ucx=ucx.address.hex() if ucx else None)
+    tcp.set_credentials(hello["tcp"].encode(), "send", bytes.fromhex(hello["tcp_token"]))
     peers = {"tcp": (tcp, hello["tcp"].encode())}
     if ucx:
         peers["ucx"] = (ucx, bytes.fromhex(hello["ucx"]))

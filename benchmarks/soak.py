@@ -75,6 +75,7 @@ class Soak:
         src = rng.sample(range(NBLOCKS), nb)
         rid, mode = f"s{lane}-{n}", rng.choice(["pipelined", "eager"])
         push = dict(rid=rid, peer=D, src=src, mode=mode)
+        expect = dict(rid=rid, peer=P, dst=dst, src=src)  # peer: the only one that may push
         pull_base = kind == "pull" or (kind == "abort" and rng.random() < 0.5)
         if kind == "timeout":  # a prefill that never finishes: the deadline ends it
             push.update(mode="pipelined", ready=rng.randrange(layers), timeout=0.3)
@@ -88,9 +89,9 @@ class Soak:
             then = (D, "pull", dict(rid=rid, peer=P, dst=dst, src=src,
                                     mode=rng.choice(["eager", "lazy"])))
         elif kind == "push_staged":
-            first, then = (P, "push", push), (D, "expect", dict(rid=rid, dst=dst, src=src))
+            first, then = (P, "push", push), (D, "expect", expect)
         else:
-            first, then = (D, "expect", dict(rid=rid, dst=dst, src=src)), (P, "push", push)
+            first, then = (D, "expect", expect), (P, "push", push)
         t1 = f.send(first[0], first[1], **first[2])
         started = f.wait(t1, ("started", "result"))
         t2 = None

@@ -142,7 +142,7 @@ def decode_engine(sock: str, inbox: Any, outbox: Any, results: Any) -> None:
         client.register_kv(layout, kv)
         prompt = prompt_ids()
         blocks = [40, 12, 33][: -(-len(prompt) // BLOCK)]  # scattered, as a paged cache hands out
-        handle = client.expect("req-1", blocks)
+        handle = client.expect("req-1", blocks, src="prefill-0")
         outbox.put({"request_id": "req-1", "prompt": prompt, "decode_instance": "decode-0",
                     "dst_blocks": blocks})
         cache = DynamicCache(config=model.config)

@@ -42,7 +42,7 @@ async def decode(nats_url: str) -> None:
     async with Agent(AgentConfig(instance_id="decode-0", role="decode", nats_url=nats_url),
                      layout=LAYOUT, kv_caches=kv) as agent:
         blocks = [0, 1, 2, 3]  # what our block allocator handed this request
-        handle = agent.expect("req-1", blocks)
+        handle = agent.expect("req-1", blocks, src="prefill-0")
         proc = mp.get_context("spawn").Process(target=prefill, args=(nats_url, blocks))
         proc.start()
         for layer in range(LAYOUT.num_layers):

@@ -96,9 +96,15 @@ class BlockingClient:
     def register_kv(self, layout: KVLayout, layers: SharedKV) -> None:
         self._call(self._client.register_kv, layout, layers)
 
-    def expect(self, request_id: str, blocks: Sequence[int]) -> BlockingReceive:
+    def expect(self, request_id: str, blocks: Sequence[int], *, src: str,
+               have: Sequence[int] = ()) -> BlockingReceive:
+        """Reserve ``blocks`` for ``src``'s push of ``request_id`` (as ``Client.expect``)."""
         assert self._portal is not None
-        return BlockingReceive(self._portal, self._call(self._client.expect, request_id, blocks))
+
+        async def expect() -> RemoteReceive:
+            return await self._client.expect(request_id, blocks, src=src, have=have)
+
+        return BlockingReceive(self._portal, self._call(expect))
 
     def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
              dst_blocks: Sequence[int] | None = None, mode: str = "pipelined") -> BlockingSend:

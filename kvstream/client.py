@@ -186,8 +186,8 @@ class _LocalClient:
         tensors = layers.layers if isinstance(layers, SharedKV) else layers
         self.agent.register_kv(layout, tensors, cache_scales=cache_scales)
 
-    async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = (), src: str | None = None) -> Any:
+    async def expect(self, request_id: str, blocks: Sequence[int], *, src: str,
+                     have: Sequence[int] = ()) -> Any:
         return self.agent.expect(request_id, blocks, have=have, src=src)
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
@@ -387,13 +387,14 @@ class _SidecarClient:
             return
         if layers.spec.layout != layout:
             raise errors.LayoutError("the shared KV was allocated for another layout")
+        layers.allow_attach()  # the sidecar opens it writable; its export makes it read-only
         try:
             await self.request(lp.RegisterKV(shared=layers.spec, cache_scales=scales))
         finally:
             layers.unlink()
 
-    async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = (), src: str | None = None) -> RemoteReceive:
+    async def expect(self, request_id: str, blocks: Sequence[int], *, src: str,
+                     have: Sequence[int] = ()) -> RemoteReceive:
         return await self.request(
             lp.Expect(request_id=request_id, blocks=list(blocks), have=list(have), src=src),
             lambda ok: RemoteReceive(self, ok.handle, ok.num_layers, request_id))

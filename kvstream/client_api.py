@@ -30,10 +30,12 @@ class TransferClient(Protocol):
                           *, cache_scales: Sequence[float] | None = None) -> None:
         """Hand the engine's KV memory to the agent (once)."""
 
-    async def expect(self, request_id: str, blocks: Sequence[int], *,
-                     have: Sequence[int] = (), src: str | None = None) -> Any:
-        """Reserve ``blocks`` for a push of ``request_id``; a receive handle. With ``src``,
-        only that instance's push lands here (others are refused "forbidden")."""
+    async def expect(self, request_id: str, blocks: Sequence[int], *, src: str,
+                     have: Sequence[int] = ()) -> Any:
+        """Reserve ``blocks`` for ``src``'s push of ``request_id``; a receive handle. Only
+        that instance's push lands here: any other is refused "forbidden" before a byte
+        lands (``src`` is required: on a shared bus, "whoever pushes first" would let any
+        agent fill the reservation with its own KV)."""
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
                    dst_blocks: Sequence[int] | None = None, mode: str = "pipelined",

@@ -70,6 +70,18 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     staging_bytes: int = 256 * MiB
     # How long a sender keeps retrying a destination that answers "busy" (staging full).
     staging_wait_s: float = 5.0
+    # Pushes nobody reserved for yet ("unsolicited": anyone with a key may send them) are
+    # bounded apart from what this agent expects, so that strangers never take the staging
+    # or the table room of reservations, pulls and pushes (docs/architecture.md, "Limits on
+    # unsolicited pushes"). All of them together hold at most this share of staging_bytes
+    # (the rest stays for expected transfers) ...
+    unsolicited_staging_share: float = 0.5
+    # ... and one sender at most this share (its first push may be larger, within the
+    # share of all), so a single flooder is refused "busy", not everyone.
+    unsolicited_sender_share: float = 0.125
+    # They count apart from max_transfers, at most this share of it (at least 1); one
+    # sender holds at most unsolicited_sender_share / unsolicited_staging_share of those.
+    unsolicited_transfers_share: float = 0.25
     # How long an offer() is held for a pull without a renewal from the puller, which
     # renews every lease_s / 4 while it still wants the blocks.
     lease_s: float = 30.0
@@ -128,3 +140,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("tcp_lanes must be between 1 and 64")
         if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
             raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")
+        for name in ("unsolicited_staging_share", "unsolicited_sender_share",
+                     "unsolicited_transfers_share"):
+            if not 0 < getattr(self, name) <= 1:  # NaN too
+                raise ConfigError(f"{name} must be a fraction in (0, 1]")
+        if self.unsolicited_sender_share > self.unsolicited_staging_share:
+            raise ConfigError("unsolicited_sender_share cannot exceed unsolicited_staging_share")

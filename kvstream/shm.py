@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["SEALS", "Segment", "SharedExport", "SharedKV", "SharedKVSpec", "export", "find",
-           "open_segment", "proof_context", "proofs_of", "segment_proof"]
+           "open_segment", "proof_context", "proofs_of", "read_only", "segment_proof"]
 
 # Sealed against size changes (a shrink would turn a peer's read into SIGBUS).
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -204,6 +204,11 @@ class SharedKV:
             os.close(fd)
             raise
 
+    def allow_attach(self) -> None:
+        """Let this user's sidecar open the segment writable once more (``attach``; a
+        registration exports it read-only again)."""
+        os.fchmod(self._fd, 0o600)
+
     def unlink(self) -> None:
         """Kept for callers of the named-segment version: a memfd has no name to remove."""
 
@@ -258,4 +263,16 @@ def export(layers: Sequence[torch.Tensor], num_blocks: int) -> SharedExport | No
                 return None
             segments.append(seg)
         where.append((segments.index(seg), offset))
+    for seg in segments:
+        read_only(seg.fd)
     return SharedExport(pid=os.getpid(), num_blocks=num_blocks, segments=segments, layers=where)
+
+
+def read_only(fd: int) -> None:
+    """Let later openers of this segment (through ``/proc/<pid>/fd``) read it only: an
+    exported segment is read by peers, never written by them. Mappings and fds already
+    open keep their access (the owner's, its sidecar's). Root is not held back by it, and
+    any process of the same user may read (or ptrace) the owner's memory anyway: this
+    takes away writes through a stray open, not what the user itself can do."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o400)

@@ -272,7 +272,8 @@ def decode_main(spec_bytes: bytes, target: str, cmd_q: Any, evt_q: Any) -> None:
                     if cmd.compute_ms:
                         await anyio.sleep(cmd.compute_ms / 1e3)
         else:
-            handle = await side.client.expect(cmd.request_id, cmd.blocks, have=have)
+            handle = await side.client.expect(cmd.request_id, cmd.blocks, src=cmd.peer,
+                                              have=have)
             ready()
         if cmd.report_layers:
             for layer in range(spec.layout.num_layers):

@@ -18,13 +18,13 @@ from kvstream._exceptions import (
     MessageDecodeError,
     NatsConnectError,
     NoPeerError,
-    ProtocolError,
 )
 from kvstream.control import messages as m
 from kvstream.control.auth import NatsAuth
-from kvstream.control.identity import SENDER, SUBJECT, Seal, Trust, open_sealed
+from kvstream.control.identity import BOX, SENDER, SUBJECT, Seal, Trust, key_in, open_sealed
 from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.reach import classify, probe, servers_of
+from kvstream.control.replies import Replies, key_for, open_message
 from kvstream.control.stream import StreamSpec
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ class ControlBus:
         self._subs: list[Subscription] = []
         self.malformed = 0
         self.seal = Seal()
+        self._replies = Replies(self.seal)
+        # Is that peer alive (the registry's view)? A "no responders" status is unsigned:
+        # for a live peer it is waited out, not believed (None: believed at once).
+        self.peer_alive: Callable[[str], bool] | None = None
         self.inflight = InFlight()
         self._quiet = Throttle(log)
 
@@ -119,28 +123,37 @@ class ControlBus:
         self, subject: str, msg: m.ControlMessage, *, timeout: float,
         headers: dict[str, str] | None = None, peer: str | None = None,
     ) -> m.ControlUnion:
-        data = m.encode(msg)
-        try:
-            reply = await self._nc.request(subject, data, timeout=timeout,
-                                           headers=self.seal.outgoing(subject, data, headers))
-        except nats.errors.NoRespondersError as exc:
-            raise NoPeerError(f"no instance answers on {subject}", peer=peer,
-                              no_responders=True) from exc
-        except nats.errors.TimeoutError as exc:
-            raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer) from exc
-        except nats.errors.Error as exc:
-            raise ControlPlaneError(f"NATS request on {subject} failed: {exc}") from exc
-        if not self.seal.reply_from(reply.subject, reply.data, reply.headers, peer):
-            raise ProtocolError(f"the answer on {subject} is not signed by {peer or 'a peer'}")
-        return m.decode(reply.data)
+        """The first reply that opens as ``peer``'s (boxed for us, or signed by it): an
+        answer by anyone else is dropped and counted (``seal.forged``), and the request
+        waits on for the genuine one until ``timeout``. A request to ``peer`` is boxed for
+        it, so it waits (within ``timeout``) for the peer's key when it is not known yet."""
+        with anyio.move_on_after(timeout) as scope:
+            to_key = await key_for(self.seal, peer)
+            payload, sealed = self.seal.outgoing(subject, m.encode(msg), headers, to=peer,
+                                                 to_key=to_key)
+            await self._replies.start(self._nc)
+            waiter = self._replies.open(peer)
+            try:
+                try:
+                    await self._nc.publish(subject, payload, reply=waiter.inbox, headers=sealed)
+                except nats.errors.Error as exc:
+                    raise ControlPlaneError(f"NATS request on {subject} failed: {exc}") from exc
+                return await waiter.wait(subject, self.peer_alive)
+            finally:
+                self._replies.close(waiter)
+        assert scope.cancelled_caught
+        raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer)
 
     async def publish(
-        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
+        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None,
+        *, peer: str | None = None,
     ) -> None:
+        """Publish ``msg``: boxed for ``peer`` when its key is known, else signed."""
         data = m.encode(msg)
+        to_key = self.seal.peer_key(peer) if peer is not None else None
+        payload, sealed = self.seal.outgoing(subject, data, headers, to=peer, to_key=to_key)
         try:
-            await self._nc.publish(subject, data,
-                                   headers=self.seal.outgoing(subject, data, headers))
+            await self._nc.publish(subject, payload, headers=sealed)
         except nats.errors.Error as exc:
             raise ControlPlaneError(f"NATS publish on {subject} failed: {exc}") from exc
 
@@ -155,19 +168,17 @@ class ControlBus:
         """
 
         async def on_msg(msg: Msg) -> None:
-            # Decoding and the signature check run here, in order and without a task:
-            # garbage and forgeries cost no more than that. What passes gets a task when
-            # ``spawn`` is given, within the bounds of ``inflight`` (else "busy").
-            try:
-                decoded = m.decode(msg.data)
-            except MessageDecodeError as exc:
-                self._malformed(msg, exc)
+            # Opening, decoding and the signature check run here, in order and without a
+            # task: garbage and forgeries cost no more than that. What passes gets a task
+            # when ``spawn`` is given, within the bounds of ``inflight`` (else "busy").
+            opened = open_message(self.seal, msg.subject, msg.data, msg.headers)
+            if isinstance(opened, MessageDecodeError):
+                self._malformed(msg, opened)
                 if msg.reply:
                     await self._safe_reply(msg, m.Reject(transfer_id="", code="malformed",
-                                                         reason=str(exc)[:1000]))
+                                                         reason=str(opened)[:1000]))
                 return
-            headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
-            if headers is None:
+            if opened is None:
                 self._quiet.warning("unauthenticated", "refused an unauthenticated message "
                                     "on %s", msg.subject)
                 if msg.reply:
@@ -175,6 +186,7 @@ class ControlBus:
                         transfer_id="", code="unauthenticated",
                         reason="the message is not signed by the instance it names"))
                 return
+            decoded, headers = opened
             if spawn is None or not msg.reply:  # a publish (done, leave) never waits: inline
                 await handle(decoded, headers, msg)
                 return
@@ -184,7 +196,8 @@ class ControlBus:
                                     sender or "?")
                 if msg.reply:
                     await self._safe_reply(msg, m.Reject(
-                        transfer_id="", code="busy", reason="too many requests in flight"))
+                        transfer_id="", code="busy", reason="too many requests in flight"),
+                        headers)
                 return
             spawn(counted, decoded, headers, msg, sender)
 
@@ -203,7 +216,7 @@ class ControlBus:
                                 msg.subject, exc_info=True)
                 return
             if reply is not None and msg.reply:
-                await self._safe_reply(msg, reply)
+                await self._safe_reply(msg, reply, headers)
 
         try:
             self._subs.append(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
@@ -219,7 +232,7 @@ class ControlBus:
         drops the subject's earlier messages (this one says everything they said)."""
         data = m.encode(msg)
         extra = {"Nats-Rollup": "sub"} if rollup else None
-        headers = self.seal.outgoing(subject, data, extra)
+        _, headers = self.seal.outgoing(subject, data, extra)
         js = self._nc.jetstream()
         for attempt in (1, 2):
             try:
@@ -344,7 +357,8 @@ class ControlBus:
             self._malformed(msg, exc)
             return None
         if trust is None:
-            headers = self.seal.incoming(msg.subject, msg.data, msg.headers)
+            opened = self.seal.incoming(msg.subject, msg.data, msg.headers)
+            headers = None if opened is None or BOX in opened[1] else opened[1]
         else:
             headers = {k: v for k, v in (msg.headers or {}).items()
                        if k not in (SENDER, SUBJECT)}
@@ -361,11 +375,15 @@ class ControlBus:
             return None
         return decoded, headers
 
-    async def _safe_reply(self, msg: Msg, reply: m.ControlMessage) -> None:
-        data = m.encode(reply)
+    async def _safe_reply(self, msg: Msg, reply: m.ControlMessage,
+                          asked: dict[str, str] | None = None) -> None:
+        """Answer on the request's reply subject: boxed for the checked sender of
+        ``asked`` (the request's headers), signed when there is none."""
+        sender = (asked or {}).get(SENDER)
+        payload, headers = self.seal.outgoing(msg.reply, m.encode(reply), None, to=sender,
+                                              to_key=key_in(asked) if asked else None)
         try:
-            await self._nc.publish(msg.reply, data,
-                                   headers=self.seal.outgoing(msg.reply, data, None))
+            await self._nc.publish(msg.reply, payload, headers=headers)
         except nats.errors.Error as exc:
             log.warning("could not reply on %s: %s", msg.reply, exc)
 
@@ -384,6 +402,7 @@ class ControlBus:
             raise ControlPlaneError(f"NATS flush failed: {exc!r}") from exc
 
     async def close(self) -> None:
+        await self._replies.stop()
         for sub in self._subs:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()

@@ -28,11 +28,12 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError, ProtocolError
+from kvstream._exceptions import ControlPlaneError, MessageDecodeError, NoPeerError
 from kvstream.control import messages as m
-from kvstream.control.identity import SENDER, Seal
+from kvstream.control.identity import SENDER, Seal, key_in
 from kvstream.control.limits import InFlight, Throttle
 from kvstream.control.port import Handler
+from kvstream.control.replies import key_for, open_message
 from kvstream.control.stream import StreamSpec
 
 __all__ = ["BUFFER", "MAX_KEPT", "DropRule", "MemoryBus", "MemoryHub"]
@@ -48,17 +49,21 @@ DropRule = Callable[[str, m.ControlMessage], bool]
 
 
 class _Reply:
-    """A request's inbox: the first answer wins, as with nats-py's request."""
+    """A request's inbox: the first answer that opens as the asked peer's wins, as with
+    ``ControlBus.request`` (others are dropped and counted in the asker's seal)."""
 
-    def __init__(self, subject: str) -> None:
+    def __init__(self, subject: str, seal: Seal, peer: str | None) -> None:
         self.subject = subject
+        self.seal, self.peer = seal, peer
         self.data: bytes | None = None
-        self.headers: dict[str, str] | None = None
         self.done = anyio.Event()
 
     def respond(self, data: bytes, headers: dict[str, str] | None = None) -> None:
-        if self.data is None:
-            self.data, self.headers = data, headers
+        if self.data is not None:
+            return
+        opened = self.seal.reply_from(self.subject, data, headers, self.peer)
+        if opened is not None:
+            self.data = opened[0]
             self.done.set()
 
 
@@ -107,23 +112,22 @@ class _Subscription:
         """As ``ControlBus.serve``: malformed and unauthenticated input counted, refused and
         survived, in order; what passes gets a task with ``spawn``, within ``inflight``."""
         bus, hub = self.bus, self.bus.hub
-        try:
-            decoded = m.decode(d.data)
-        except MessageDecodeError as exc:
+        opened = open_message(bus.seal, d.subject, d.data, d.headers)
+        if isinstance(opened, MessageDecodeError):
             bus.malformed += 1
             bus._quiet.warning("malformed", "dropped malformed message on %s: %s",
-                               d.subject, exc)
+                               d.subject, opened)
             if d.reply is not None:
                 hub._respond(d.reply, m.Reject(transfer_id="", code="malformed",
-                                               reason=str(exc)[:1000]), bus.seal)
+                                               reason=str(opened)[:1000]), bus.seal)
             return
-        headers = bus.seal.incoming(d.subject, d.data, d.headers)
-        if headers is None:
+        if opened is None:
             if d.reply is not None:
                 hub._respond(d.reply, m.Reject(
                     transfer_id="", code="unauthenticated",
                     reason="the message is not signed by the instance it names"), bus.seal)
             return
+        decoded, headers = opened
         if self.spawn is None or d.reply is None:  # a publish never waits: inline
             await self.handle(decoded, headers, d)
             return
@@ -131,7 +135,8 @@ class _Subscription:
         if not bus.inflight.enter(sender):
             if d.reply is not None:
                 hub._respond(d.reply, m.Reject(transfer_id="", code="busy",
-                                               reason="too many requests in flight"), bus.seal)
+                                               reason="too many requests in flight"), bus.seal,
+                             headers)
             return
         self.spawn(self.counted, decoded, headers, d, sender)
 
@@ -151,7 +156,7 @@ class _Subscription:
                                 d.subject, exc_info=True)
             return
         if reply is not None and d.reply is not None:
-            self.bus.hub._respond(d.reply, reply, self.bus.seal)
+            self.bus.hub._respond(d.reply, reply, self.bus.seal, headers)
 
     def close(self) -> None:
         self.scope.cancel()
@@ -245,20 +250,22 @@ class MemoryHub:
                        lost: bool = False) -> m.ControlUnion:
         if not self._targets(subject):
             raise NoPeerError(f"no instance answers on {subject}", peer=peer, no_responders=True)
-        reply = _Reply(f"_INBOX.{next(self._inbox)}")
+        reply = _Reply(f"_INBOX.{next(self._inbox)}", seal, peer)
         with anyio.move_on_after(timeout):
             await self._send(subject, data, headers, reply, lost=lost)
             await reply.done.wait()
         if reply.data is None:
             raise NoPeerError(f"no answer on {subject} within {timeout}s", peer=peer)
-        if not seal.reply_from(reply.subject, reply.data, reply.headers, peer):
-            raise ProtocolError(f"the answer on {subject} is not signed by {peer or 'a peer'}")
         return m.decode(reply.data)
 
-    def _respond(self, reply: _Reply, msg: m.ControlMessage, seal: Seal) -> None:
+    def _respond(self, reply: _Reply, msg: m.ControlMessage, seal: Seal,
+                 asked: dict[str, str] | None = None) -> None:
+        """Answer ``reply``: boxed for the checked sender of ``asked`` (the request's
+        headers), signed without one."""
         if not self._lost(reply.subject, msg):
-            data = m.encode(msg)
-            reply.respond(data, seal.outgoing(reply.subject, data, None))
+            sender = (asked or {}).get(SENDER)
+            reply.respond(*seal.outgoing(reply.subject, m.encode(msg), None, to=sender,
+                                         to_key=key_in(asked) if asked else None))
 
 
 class MemoryBus:
@@ -269,6 +276,7 @@ class MemoryBus:
         self.name = name
         self.malformed = 0
         self.seal = Seal()
+        self.peer_alive: Callable[[str], bool] | None = None  # NoPeerError at once here
         self.inflight = InFlight()
         self._quiet = Throttle(log)
         self._subs: list[_Subscription] = []
@@ -283,19 +291,29 @@ class MemoryBus:
         headers: dict[str, str] | None = None, peer: str | None = None,
     ) -> m.ControlUnion:
         self._check()
-        data = m.encode(msg)
-        return await self.hub._request(subject, data, timeout=timeout,
-                                       headers=self.seal.outgoing(subject, data, headers),
-                                       peer=peer, seal=self.seal,
-                                       lost=self.hub._lost(subject, msg))
+        start = anyio.current_time()
+        to_key = None
+        with anyio.move_on_after(timeout) as scope:
+            to_key = await key_for(self.seal, peer)
+        if scope.cancelled_caught:
+            raise NoPeerError(f"no answer on {subject} within {timeout}s (no key of {peer})",
+                              peer=peer)
+        payload, sealed = self.seal.outgoing(subject, m.encode(msg), headers, to=peer,
+                                             to_key=to_key)
+        left = max(0.0, timeout - (anyio.current_time() - start))
+        return await self.hub._request(subject, payload, timeout=left, headers=sealed, peer=peer,
+                                       seal=self.seal, lost=self.hub._lost(subject, msg))
 
     async def publish(
-        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
+        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None,
+        *, peer: str | None = None,
     ) -> None:
+        """Publish ``msg``: boxed for ``peer`` when its key is known, else signed."""
         self._check()
-        data = m.encode(msg)
-        await self.hub._send(subject, data, self.seal.outgoing(subject, data, headers), None,
-                             lost=self.hub._lost(subject, msg))
+        to_key = self.seal.peer_key(peer) if peer is not None else None
+        payload, sealed = self.seal.outgoing(subject, m.encode(msg), headers, to=peer,
+                                             to_key=to_key)
+        await self.hub._send(subject, payload, sealed, None, lost=self.hub._lost(subject, msg))
 
     async def serve(self, subject: str, handler: Handler,
                     spawn: Callable[..., object] | None = None, queue: str = "") -> None:

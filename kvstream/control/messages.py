@@ -28,6 +28,11 @@ History:
       queue group where a request goes); ``Announce.requests`` and ``Announce.kv_used``
       (the load a router weighs; 0 from older peers), ``Announce.kv_epoch``/``kv_seq``
       (the instance's latest stored KV events batch).
+  3 - a message for one peer (requests to it, replies, notes, done) boxed for it
+      (control/identity.py), so nothing secret travels readable; data-plane headers and
+      credits carry a MAC under the transfer's key (dataplane/wire.py); the token a TCP
+      data connection authenticates with (``Accept.tcp_token``, ``Pull.tcp_token``).
+      Version 2 peers are refused (they can neither open nor make boxes).
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 2
-MIN_PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
+MIN_PROTOCOL_VERSION: Final = 3
 
 Role = Literal["prefill", "decode", "both"]
 # "", "ok", "waiting", "missing", "off"; a bounded string on the wire, so a state added
@@ -112,6 +117,9 @@ Ids = Annotated[list[Id], msgspec.Meta(max_length=1 << 16)]
 DataPath = Literal["ucx", "tcp", "shm", "cuda_ipc"]
 HostId = Annotated[str, msgspec.Meta(max_length=256)]
 TcpAddress = Annotated[bytes, msgspec.Meta(max_length=256)]
+# What a TCP data connection to the receiver authenticates with (its token for this
+# sender, TcpTransport.token_for); travels only boxed.
+TcpToken = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class ControlMessage(msgspec.Struct, tag_field="op", frozen=True, kw_only=True):
@@ -202,6 +210,9 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     path: DataPath = "ucx"
     src_host: HostId = ""
     src_tcp: TcpAddress = b""
+    # The source's token for this destination's connections to src_tcp (its credits on
+    # a push, its data on a pull): boxed, for the destination's eyes only.
+    tcp_token: TcpToken = b""
     src_shared: SharedExport | None = None
     # Proofs that the sender holds src_shared's segments, bound to this sender, destination
     # and transfer (shm.segment_proof).
@@ -209,7 +220,7 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
                            msgspec.Meta(max_length=64)] = []
     # path "cuda_ipc": the source's device KV, for this destination to open (same host).
     src_device: DeviceExport | None = None
-    # Between unequal layouts (issue 18): the source's layout and TP share, and the plan
+    # Between unequal layouts: the source's layout and TP share, and the plan
     # both ends derive (the destination refuses one it would not derive itself).
     reshape: Reshape | None = None
     src_layout: KVLayout | None = None
@@ -227,6 +238,7 @@ class Accept(ControlMessage, tag="kv.accept", frozen=True):
     skip: BlockIds = []
     path: DataPath = "ucx"
     dst_tcp: TcpAddress = b""
+    tcp_token: TcpToken = b""
 
 
 class Pull(ControlMessage, tag="kv.pull", frozen=True):
@@ -255,7 +267,7 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     path: DataPath = "ucx"
     dst_host: HostId = ""
     dst_tcp: TcpAddress = b""
-    # Between unequal layouts (issue 18): the puller's plan (the source may answer with
+    # Between unequal layouts: the puller's plan (the source may answer with
     # fewer tokens, what its offer holds) and its layout and TP share.
     reshape: Reshape | None = None
     dst_layout: KVLayout | None = None
@@ -263,6 +275,7 @@ class Pull(ControlMessage, tag="kv.pull", frozen=True):
     # How many destinations pull this one offer, each once (decode TP above prefill TP:
     # the decode ranks sharing a prefill rank); every pull of it must say the same.
     readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
+    tcp_token: TcpToken = b""
 
 
 class Renew(ControlMessage, tag="kv.renew", frozen=True):

@@ -25,17 +25,24 @@ class ControlPort(Protocol):
 
     malformed: int  # messages served here that did not decode
     seal: Seal  # signs what is sent, checks what arrives, once its owner sets it up
+    # Is that peer alive (the registry's view)? Requests wait out an unsigned "no
+    # responders" for a live peer (None: believed at once).
+    peer_alive: Callable[[str], bool] | None
 
     async def request(
         self, subject: str, msg: m.ControlMessage, *, timeout: float,
         headers: dict[str, str] | None = None, peer: str | None = None,
     ) -> m.ControlUnion:
-        """The first reply; ``NoPeerError`` when nobody subscribes or nobody answers in time."""
+        """The first reply that opens as ``peer``'s (others are dropped and counted);
+        ``NoPeerError`` when nobody subscribes or nobody answers in time. Boxed for ``peer``."""
         ...
 
     async def publish(
-        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None
-    ) -> None: ...
+        self, subject: str, msg: m.ControlMessage, headers: dict[str, str] | None = None,
+        *, peer: str | None = None,
+    ) -> None:
+        """Publish ``msg``; boxed for ``peer`` when given and its key is known."""
+        ...
 
     async def serve(self, subject: str, handler: Handler,
                     spawn: Callable[..., object] | None = None, queue: str = "") -> None:

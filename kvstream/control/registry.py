@@ -90,6 +90,12 @@ class Registry:
                                             announced=announced)
         return True
 
+    def key_of(self, instance_id: str) -> bytes | None:
+        """The key bound to ``instance_id`` (None: none yet): what a message for it is
+        boxed under (identity.py)."""
+        info = self._peers.get(instance_id)
+        return info.key if info is not None and info.key else None
+
     def contact(self, instance_id: str) -> None:
         """Any message from a peer proves it alive (and starts watching it)."""
         info = self._peers.get(instance_id)

@@ -53,6 +53,7 @@ class RecvStream(Stream):
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
+        self.mac = self._frame_mac(src_tag, dst_tag)
         self.nblocks = nblocks
         t = handle.transfer
         self.codec = transfer_codec(env.memory, t)
@@ -152,6 +153,9 @@ class RecvStream(Stream):
             if self._outcome is not None:
                 return
             header = wire.decode_header(hdr.data)
+            if not self.mac.header_ok(header):  # never taken as "layer ready"
+                env.count("forged_frames", 1)
+                raise ProtocolError(f"layer {layer}: its header does not verify (forged?)")
             want = self.layer_bytes
             if (header.xfer_tag, header.layer, header.nbytes, header.codec) != \
                     (self.dst_tag, layer, want, h.transfer.codec):
@@ -227,7 +231,8 @@ class RecvStream(Stream):
             nonlocal credited
             if upto > credited:
                 # One cumulative credit for every layer posted so far.
-                await env.transport.send(self.peer_address, wire.encode_credit(upto), credit_tag)
+                await env.transport.send(self.peer_address, self.mac.credit(credit_tag, upto),
+                                         credit_tag)
                 credited = upto
 
         for layer in range(t.num_layers):

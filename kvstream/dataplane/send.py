@@ -45,6 +45,7 @@ class SendStream(Stream):
         self.handle = handle
         self.src_tag = src_tag
         self.dst_tag = dst_tag
+        self.mac = self._frame_mac(src_tag, dst_tag)
         t = handle.transfer
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, len(handle.blocks))
@@ -83,7 +84,7 @@ class SendStream(Stream):
         self.remote_done.set()
 
     async def _credit_loop(self) -> None:
-        buf = np.zeros(8, dtype=np.uint8)
+        buf = np.zeros(wire.CREDIT_BYTES, dtype=np.uint8)
         tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
         n = self.handle.transfer.num_layers
         while self.granted < n:
@@ -96,7 +97,11 @@ class SendStream(Stream):
             self._credit_recv = None
             if self._outcome is not None:
                 return
-            self.granted = max(self.granted, wire.decode_credit(buf.data))
+            granted = self.mac.credit_of(tag, buf.data)
+            if granted is None:  # not the destination's: grants nothing
+                self.env.count("forged_frames", 1)
+                continue
+            self.granted = max(self.granted, granted)
             self._credit_changed.set()
             self._credit_changed = anyio.Event()
 
@@ -105,9 +110,9 @@ class SendStream(Stream):
         env, t = self.env, self.handle.transfer
         try:
             nbytes = self.layer_bytes
-            header = wire.LayerHeader(self.dst_tag, layer, nbytes,
-                                      1 if self.vectored else len(parts), codec=t.codec,
-                                      traceparent=telemetry.traceparent_of(span))
+            header = self.mac.header(self.dst_tag, layer, nbytes,
+                                     1 if self.vectored else len(parts), codec=t.codec,
+                                     traceparent=telemetry.traceparent_of(span))
             if self.vectored:
                 hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
                 wire.encode_header(header, hdr.data)

@@ -68,9 +68,10 @@ class StagingPool:
             ) from None
         return self._take(nbytes)
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def _take(self, nbytes: int, exact: bool = False) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (``exact``: of exactly that many), charged whole."""
         for i, buf in enumerate(self._cached):
-            if buf.numel() >= nbytes:
+            if buf.numel() == nbytes or (not exact and buf.numel() > nbytes):
                 self._cached.pop(i)
                 self._cached_bytes -= buf.numel()
                 break
@@ -85,13 +86,13 @@ class StagingPool:
         return buf[:nbytes]
 
     def try_acquire_all(self, sizes: list[int]) -> list[torch.Tensor] | None:
-        """All of ``sizes`` now, or nothing (for a push that must be staged whole)."""
+        """All of ``sizes`` now, or nothing (for a push that must be staged whole). Charged
+        exactly ``sum(sizes)`` (no larger cached buffer is reused): the caller bounds what
+        pushes nobody reserved for may hold by those sizes, and a small push must not take
+        a large buffer's worth of the pool."""
         if self.in_use + sum(sizes) > self.max_bytes:
             return None
-        bufs = []
-        for n in sizes:
-            bufs.append(self._take(n))
-        return bufs
+        return [self._take(n, exact=True) for n in sizes]
 
     def quarantine(self, view: torch.Tensor) -> None:
         """Give the capacity back but never reuse (or free) the memory: a receive that could

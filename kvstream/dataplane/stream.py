@@ -21,12 +21,14 @@ aborted). A sender acks an abort only after its in-flight sends completed.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from kvstream.dataplane.wire import FrameMac
 from kvstream.transfer.state import EndCause, TransferState
 
 if TYPE_CHECKING:
@@ -61,6 +63,9 @@ class StreamEnv:
     forget: Callable[[str, bytes], None] = lambda peer, address: None
     # Does the peer announce its KV in host memory (unknown: yes)? Both ends frame alike.
     peer_on_cpu: Callable[[str], bool] = lambda peer: True
+    # The key this agent shares with a peer (None: unknown): each transfer's frame MACs
+    # derive from it (wire.FrameMac).
+    pair_key: Callable[[str], bytes | None] = lambda peer: None
 
 
 def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguous: bool,
@@ -113,6 +118,17 @@ class Stream:
     async def run(self) -> None:
         """Move the bytes until the transfer ends; always finishes it (``_end``)."""
         raise NotImplementedError
+
+    def _frame_mac(self, src_tag: int, dst_tag: int) -> FrameMac:
+        """This transfer's MAC key. Without a shared key (the peer's key unknown: it was
+        forgotten since the manifest exchange) a random one: no frame of it verifies, so
+        the transfer fails on its first header or credit instead of trusting any."""
+        pair = self.env.pair_key(self.peer)
+        if pair is None:
+            log.warning("%r: no key shared with %s; its frames cannot verify", self.transfer,
+                        self.peer)
+            pair = os.urandom(32)
+        return FrameMac.derive(pair, self.transfer.transfer_id, src_tag, dst_tag)
 
     def stop(self, state: TransferState, reason: str, *, by_peer: bool = False,
              peer_dead: bool = False, cause: EndCause | None = None) -> None:

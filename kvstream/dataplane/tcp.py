@@ -1,5 +1,5 @@
 """A ``Transport`` over plain TCP sockets, for hosts that UCX reaches only through its tcp
-transport (0.3-1.2 GB/s where a Python socket stream moves 2.5-4 GB/s; issue 17).
+transport (0.3-1.2 GB/s where a Python socket stream moves 2.5-4 GB/s).
 
 Why it looks like this (measured with benchmarks/bench_tcp.py on a 2-core VM):
 
@@ -33,25 +33,35 @@ Why it looks like this (measured with benchmarks/bench_tcp.py on a 2-core VM):
   (``dropped_unread``). ``drain`` completes the oldest posted receive locally; one being
   written into at that moment is left to its frame, and a zero-byte message waits in its
   stead, as UCX's self-send would.
-* Everything is bounded (``TcpLimits``): accepted connections, in all and from one
-  address, the waiting queue, frame length, connect time, and how long an accepted
-  connection may hold its slot without its first frame header (``idle_timeout_s`` from
-  accept) or go without a byte inside a frame (the same). Idle time between frames is
-  not bounded: connections are reused across transfers, and keepalive ends those to a
-  vanished host. A bad magic, an absurd length or a stall closes only that connection,
-  and a receive its frame was being read into is posted again (``statistics()``:
-  ``bad_frames``, ``timed_out``; ``refused``, ``refused_per_ip`` count those closed at
-  accept).
+* Everything is bounded (``TcpLimits``): connections in the handshake (in all and from
+  one address, each for ``auth_timeout_s`` at most), authenticated connections (in all
+  and from one address), the waiting queue, frame length, connect time, and how long a
+  frame begun may go without a byte (``idle_timeout_s``). A bad magic, an absurd length
+  or a stall closes only that connection, and a receive its frame was being read into is
+  posted again (``statistics()``: ``bad_frames``, ``timed_out``; ``refused``,
+  ``refused_per_ip`` count authenticated ones turned away at the caps).
 
-Security: as with UCX in kvstream, the tag is the capability. Sockets are not
-authenticated; anyone who can reach the port can send frames, which land only in a
-receive posted on their exact tag (48 random bits per transfer, ``wire.new_xfer_tag``),
-or wait, bounded, until ``sweep`` drops them. A stranger that connects and sends nothing
-or part of a header holds a slot for ``idle_timeout_s`` at most (a later frame it stops
-in, for twice that), and one address holds ``max_connections_per_ip`` slots at most; many
-addresses can still fill ``max_connections`` for as long as they keep reconnecting, and
-a connection that trickles a byte per ``idle_timeout_s`` into a frame keeps its slot
-(there is no minimum rate). Run it on a network you would trust with UCX.
+Security: every connection is authenticated before any of its bytes is read as a frame.
+``open`` draws a random secret; ``token_for(peer_id)`` derives that peer's token from it
+(keyed BLAKE2b), which the agent hands the peer over the encrypted control plane; the
+peer's ``set_credentials`` makes each connection it opens answer our random challenge
+with a MAC under that token, over the challenge, its id and our address
+(dataplane.tcp_conn has the wire format). A captured hello fails on any other connection,
+and a restart of this transport (a new secret) voids every token it issued. A stranger
+gets a challenge and nothing more: it holds one of ``max_unauthenticated`` handshake
+slots (``max_unauthenticated_per_ip`` from one address), an fd and no thread, for
+``auth_timeout_s`` at most, and is evicted sooner by newer connections when they are
+full; it never counts toward ``max_connections_per_ip``, so it cannot lock an honest
+sender on its address out (``unauthenticated``, ``evicted`` count them). Idle time
+between frames on an authenticated connection is not bounded, on purpose: lanes are
+reused across transfers and may idle long between them, only a peer that got a token
+through the control plane can hold one, the caps count it, and keepalive ends those to
+a vanished host. What the handshake does not give: frames are neither encrypted nor
+MACed, so their payload's confidentiality and integrity rest on the network (an on-path
+attacker can read or alter them, or hijack an authenticated connection). Run it on a
+network you trust, or use UCX with its own security. Within it, the tag still decides
+where a frame lands: a receive posted on its exact tag (48 random bits per transfer,
+``wire.new_xfer_tag``), or the bounded waiting queue until ``sweep`` drops it.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ import asyncio
 import ipaddress
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -70,12 +81,15 @@ from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
 from kvstream.dataplane.tcp_conn import (
     HEADER,
     MAGIC,
+    TOKEN_BYTES,
     Conn,
     TcpLimits,
     byte_views,
     check_tcp_address,
+    client_handshake,
     format_address,
     parse_address,
+    peer_id_bytes,
     tune,
 )
 from kvstream.dataplane.tcp_recv import JOIN_S, Inbox, TcpRecv, TcpStatistics
@@ -85,6 +99,7 @@ __all__ = ["TcpLimits", "TcpRecv", "TcpStatistics", "TcpTransport"]
 
 _TAG_LIMIT: Final = 1 << 64
 MAX_LANES: Final = 64
+MAX_CREDENTIALS: Final = 4096  # peers' addresses we hold tokens for (most recent kept)
 
 
 def _check_tag(tag: int) -> None:
@@ -107,6 +122,8 @@ class TcpTransport:
         self._lanes = lanes
         # Event-loop thread only, like the counter of sends in flight.
         self._peers: dict[bytes, list[Lane]] = {}
+        # address: (our id, its token for us), least recently set first
+        self._credentials: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._senders: list[Sender] = []  # every writer thread not yet joined
         self._sending = 0
 
@@ -139,7 +156,7 @@ class TcpTransport:
         except ProtocolError as exc:
             listener.close()
             raise ConfigError(f"advertised TCP address unusable: {exc}") from exc
-        return cls(Inbox(listener, limits, asyncio.get_running_loop()), address, lanes)
+        return cls(Inbox(listener, limits, asyncio.get_running_loop(), address), address, lanes)
 
     @property
     def address(self) -> bytes:
@@ -156,13 +173,42 @@ class TcpTransport:
     def check_address(self, peer_address: bytes) -> bytes:
         return check_tcp_address(peer_address)
 
+    def token_for(self, peer_id: str) -> bytes:
+        """The 32-byte token that lets ``peer_id`` open connections to us (its
+        ``set_credentials``). Hand it over a confidential, authenticated channel only:
+        whoever holds it can send frames here. Derived from this transport's secret, so
+        the same id always gets the same token until the transport is closed; nothing is
+        stored. ``ProtocolError`` for an empty or over-long (1024-byte) id."""
+        return self._inbox.token_for(peer_id_bytes(peer_id))
+
+    def set_credentials(self, peer_address: bytes, sender_id: str, token: bytes) -> None:
+        """Authenticate as ``sender_id`` with ``token`` (the peer's ``token_for(sender_id)``)
+        on every connection opened to ``peer_address`` from now on; connections already
+        open stay (the peer accepted them). Kept until ``close`` (``forget_peer`` keeps
+        them: a later send reconnects with them) for the last ``MAX_CREDENTIALS`` peers
+        set; set again when the peer restarts.
+        ``ProtocolError`` for a malformed address, id or token (they come from the
+        network)."""
+        check_tcp_address(peer_address)
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+            raise ProtocolError(f"a TCP token must be {TOKEN_BYTES} bytes")
+        self._credentials[peer_address] = (peer_id_bytes(sender_id), token)
+        self._credentials.move_to_end(peer_address)
+        while len(self._credentials) > MAX_CREDENTIALS:
+            self._credentials.popitem(last=False)
+
     async def send(self, peer_address: bytes, buf: Any, tag: int) -> None:
         """Returns once the kernel holds the whole frame (the caller may reuse ``buf``).
-        ``ProtocolError`` for a malformed address, ``DataPlaneError`` if the connection
-        cannot be made or breaks. Cancelled before its frame is being written, nothing
-        is sent; after, it returns only once the frame is out (see ``SendJob.wait``)."""
+        ``ProtocolError`` for a malformed address, ``DataPlaneError`` without credentials
+        for it (``set_credentials``), or if the connection cannot be made, is refused
+        (stale credentials) or breaks. Cancelled before its frame is being written,
+        nothing is sent; after, it returns only once the frame is out (``SendJob.wait``)."""
         self._inbox.check_open(self._what)
         _check_tag(tag)
+        if peer_address not in self._credentials:
+            check_tcp_address(peer_address)
+            raise DataPlaneError(f"no credentials for {peer_address!r}: set_credentials "
+                                 "with the token it issued us first")
         views = byte_views(buf)
         nbytes = sum(len(v) for v in views)
         if nbytes > self.limits.max_frame_bytes:
@@ -171,7 +217,8 @@ class TcpTransport:
         lanes = self._peers.get(peer_address)
         if lanes is None:
             host, port = parse_address(peer_address)
-            lanes = self._peers[peer_address] = [Lane(host, port) for _ in range(self._lanes)]
+            lanes = self._peers[peer_address] = [Lane(peer_address, host, port)
+                                                 for _ in range(self._lanes)]
         lane = lanes[((tag >> 4) + (tag >> 16)) % len(lanes)]  # layer and transfer bits
         parts = [memoryview(HEADER.pack(MAGIC, 0, tag, nbytes)), *views]
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -213,6 +260,7 @@ class TcpTransport:
             for lane in lanes:
                 lane.drop()
         self._peers.clear()
+        self._credentials.clear()
         with anyio.move_on_after(JOIN_S):
             while self._sending:  # their frames failed above, or a connect is ending
                 await anyio.sleep(0.005)
@@ -258,13 +306,20 @@ class TcpTransport:
         host, port = lane.host, lane.port
         if lane.dropped or self._inbox.closed:
             raise DataPlaneError(f"connection to {host}:{port} was dropped")
+        held = self._credentials.get(lane.address)  # send() checked; since evicted?
+        if held is None:
+            raise DataPlaneError(f"no credentials for {host}:{port} any more")
+        sender_id, token = held
 
         def connect() -> Conn:
+            """Connect and authenticate, all within connect_timeout_s."""
+            deadline = time.monotonic() + self.limits.connect_timeout_s
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
             try:
                 tune(sock, self.limits)
                 sock.settimeout(self.limits.connect_timeout_s)
                 sock.connect((host, port))
+                client_handshake(sock, lane.address, sender_id, token, deadline)
                 sock.settimeout(None)
             except BaseException:
                 sock.close()
@@ -275,6 +330,8 @@ class TcpTransport:
             conn = await anyio.to_thread.run_sync(connect)
         except OSError as exc:
             raise DataPlaneError(f"cannot connect to {host}:{port}: {exc}") from exc
+        except DataPlaneError as exc:
+            raise DataPlaneError(f"TCP peer {host}:{port} {exc}") from exc
         sender = Sender(conn, self._inbox.loop, f"kvstream-tcp-{port}-send")
         self._senders = [s for s in self._senders if s.thread.is_alive()]
         self._senders.append(sender)

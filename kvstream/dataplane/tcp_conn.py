@@ -1,14 +1,31 @@
-"""The socket half of the TCP data plane: addresses, framing, one connection's I/O.
+"""The socket half of the TCP data plane: addresses, the handshake, framing, one
+connection's I/O.
 
-A frame is ``HEADER`` (magic, flags, 64-bit tag, 64-bit length, little endian) and then
-exactly ``length`` payload bytes. Everything here is blocking socket code meant to run
-on threads: CPython releases the GIL inside ``sendmsg`` and ``recv_into``, so the kernel
-copies straight between the socket and the caller's buffer while the event loop runs.
+A connection begins with a challenge-response handshake (little endian throughout):
+
+* server -> client ``CHALLENGE``: ``AUTH_MAGIC`` and 16 random bytes;
+* client -> server ``HELLO_HEAD`` (``HELLO_MAGIC``, length of the sender id), the id
+  (1..``MAX_ID_BYTES`` bytes of UTF-8) and a 32-byte MAC: keyed BLAKE2b under the token
+  the server issued for that id (``make_token``), over the challenge, the id and the
+  server's advertised address (``hello_mac``);
+* server -> client ``REPLY``: ``ACCEPTED``, or ``BUSY`` (its connection caps are full);
+  a hello it does not accept gets no reply, only a close.
+
+The challenge is fresh per connection, so a captured hello is worthless on another one;
+the address binds it to the server it was meant for. The client waits for the reply
+before its first frame: credentials gone stale (the peer restarted with a new secret)
+then fail the send at once, instead of frames vanishing into a socket the peer closes.
+
+Then frames: ``HEADER`` (magic, flags, 64-bit tag, 64-bit length) and exactly ``length``
+payload bytes. Everything here is blocking socket code meant to run on threads: CPython
+releases the GIL inside ``sendmsg`` and ``recv_into``, so the kernel copies straight
+between the socket and the caller's buffer while the event loop runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import math
 import re
@@ -16,6 +33,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,12 +41,26 @@ import numpy as np
 
 from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
 
-__all__ = ["HEADER", "IOV_MAX", "MAGIC", "Conn", "RecvStalled", "TcpLimits", "byte_view",
-           "byte_views", "check_tcp_address", "format_address", "limit", "parse_address",
-           "tune"]
+__all__ = ["ACCEPTED", "AUTH_MAGIC", "BUSY", "CHALLENGE", "HEADER", "HELLO_HEAD", "HELLO_MAGIC",
+           "IOV_MAX", "MAC_BYTES", "MAGIC", "MAX_ID_BYTES", "REPLY", "TOKEN_BYTES", "Conn",
+           "RecvStalled", "TcpLimits", "byte_view", "byte_views", "check_tcp_address",
+           "client_handshake", "format_address", "hello", "hello_mac", "limit", "make_token",
+           "parse_address", "peer_id_bytes", "tune"]
 
 MAGIC: Final = 0x3154_564B  # b"KVT1" read as little-endian u32
 HEADER: Final = struct.Struct("<IIQQ")  # magic, flags (0), tag, payload length
+AUTH_MAGIC: Final = 0x3141_564B  # b"KVA1": the challenge (and handshake version)
+HELLO_MAGIC: Final = 0x3148_564B  # b"KVH1"
+ACCEPTED: Final = 0x4B4F_564B  # b"KVOK"
+BUSY: Final = 0x5942_564B  # b"KVBY"
+CHALLENGE: Final = struct.Struct("<I16s")  # magic, random challenge
+HELLO_HEAD: Final = struct.Struct("<IH")  # magic, sender id length; then the id, the MAC
+REPLY: Final = struct.Struct("<I")
+TOKEN_BYTES: Final = 32
+MAC_BYTES: Final = 32
+MAX_ID_BYTES: Final = 1024
+_TOKEN_PERSON: Final = b"kvs-tcp-token"
+_HELLO_PERSON: Final = b"kvs-tcp-hello"
 MAX_ADDRESS_BYTES: Final = 64  # "tcp:[" + the longest IPv6 literal + "]:65535" fits
 _PREFIX: Final = b"tcp:"
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
@@ -45,34 +77,47 @@ class TcpLimits:
     """The bounds that keep a peer (honest, late or forged) from growing our memory,
     threads or fds without limit; defaults suit a few dozen peers."""
 
-    max_connections: int = 256  # accepted connections held at once; more are closed
+    # Authenticated connections held at once; one over it is told BUSY and closed.
+    max_connections: int = 256
     # Of those, from one remote address. An honest agent holds at most its ``lanes``
     # (<= MAX_LANES, 64) connections to us, so one agent never meets this whatever its
     # lanes, and 16 agents sharing a host at the default 4 lanes fit too; one host alone
-    # takes at most a quarter of max_connections.
+    # takes at most a quarter of max_connections. Only authenticated ones count: a
+    # stranger cannot fill it.
     max_connections_per_ip: int = 64
+    # Connections still in the handshake, in all and from one address. They cost an fd
+    # and a few hundred bytes (no thread: one poll loop serves them all); when a bound is
+    # full a new connection evicts the oldest one it covers, so a stranger who keeps them
+    # full delays an honest handshake (well under a millisecond) only if it opens more
+    # than these in that time, and one address never evicts another's.
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_ip: int = 8
+    # The whole handshake must be done this long after accept, or the connection is closed:
+    # an honest client answers within a round trip; this leaves room for a retransmission.
+    auth_timeout_s: float = 2.0
     max_frame_bytes: int = 1 << 30  # a longer announced frame closes its connection
     unexpected_message_bytes: int = 8 * 1024  # larger unexpected frames are read and dropped
     unexpected_messages: int = 4096
     unexpected_bytes: int = 4 << 20
-    connect_timeout_s: float = 5.0
-    # An accepted connection must deliver its first frame header this long after accept
-    # (an honest sender writes it right after connecting), and a frame begun must not go
-    # this long without a byte (seen after one to two times it: Conn.set_recv_timeout). Idle
-    # time between frames is unbounded: connections are reused, keepalive ends dead ones.
-    # Far over TCP's retransmission backoff on a working link and over peer_timeout_s
-    # (an honest transfer stalled this long has failed anyway); under keepalive's minute.
+    connect_timeout_s: float = 5.0  # connect and handshake, from the sending side
+    # A frame begun must not go this long without a byte (seen after one to two times it:
+    # Conn.set_recv_timeout). Idle time between frames is unbounded: connections are
+    # reused, only authenticated peers hold one, keepalive ends dead ones. Far over TCP's
+    # retransmission backoff on a working link and over peer_timeout_s (an honest
+    # transfer stalled this long has failed anyway); under keepalive's minute.
     idle_timeout_s: float = 10.0
     # SO_SNDBUF / SO_RCVBUF; None keeps Linux's autotuning, which a fixed size turns off.
     socket_buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
         counts = (self.max_connections, self.max_connections_per_ip, self.max_frame_bytes,
-                  self.unexpected_messages)
+                  self.unexpected_messages, self.max_unauthenticated,
+                  self.max_unauthenticated_per_ip)
         buffer = self.socket_buffer_bytes
+        finite = (self.idle_timeout_s, self.auth_timeout_s)
         if min(counts) < 1 or min(self.unexpected_message_bytes, self.unexpected_bytes) < 0 \
                 or not self.connect_timeout_s > 0 or (buffer is not None and buffer < 1) \
-                or not (self.idle_timeout_s > 0 and math.isfinite(self.idle_timeout_s)):
+                or not all(t > 0 and math.isfinite(t) for t in finite):
             raise ConfigError(f"TCP limits must be positive: {self}")
 
 
@@ -164,6 +209,76 @@ def format_address(host: str, port: int) -> bytes:
     ip = ipaddress.ip_address(host)
     text = f"[{ip}]" if ip.version == 6 else str(ip)
     return b"tcp:" + f"{text}:{port}".encode()
+
+
+def peer_id_bytes(peer_id: str) -> bytes:
+    """A sender id as the handshake carries it; ``ProtocolError`` if it is empty, longer
+    than ``MAX_ID_BYTES`` in UTF-8 or not a string (ids come from the control plane)."""
+    if not isinstance(peer_id, str):
+        raise ProtocolError(f"a TCP sender id must be a string, got {type(peer_id).__name__}")
+    try:
+        raw = peer_id.encode()
+    except UnicodeEncodeError as exc:  # lone surrogates
+        raise ProtocolError(f"TCP sender id is not UTF-8: {exc}") from exc
+    if not 1 <= len(raw) <= MAX_ID_BYTES:
+        raise ProtocolError(f"a TCP sender id must be 1..{MAX_ID_BYTES} bytes of UTF-8, "
+                            f"got {len(raw)}")
+    return raw
+
+
+def make_token(secret: bytes, peer_id: bytes) -> bytes:
+    """The token a server with ``secret`` issues to ``peer_id``: recomputed from the id at
+    each hello, so the server stores nothing per peer."""
+    return hashlib.blake2b(peer_id, key=secret, digest_size=TOKEN_BYTES,
+                           person=_TOKEN_PERSON).digest()
+
+
+def hello_mac(token: bytes, challenge: bytes, peer_id: bytes, server_address: bytes) -> bytes:
+    """MAC of a hello: the id is length-prefixed, so id and address cannot trade bytes."""
+    mac = hashlib.blake2b(key=token, digest_size=MAC_BYTES, person=_HELLO_PERSON)
+    mac.update(challenge)
+    mac.update(len(peer_id).to_bytes(2, "little"))
+    mac.update(peer_id)
+    mac.update(server_address)
+    return mac.digest()
+
+
+def hello(token: bytes, challenge: bytes, peer_id: bytes, server_address: bytes) -> bytes:
+    """The client's answer to ``challenge``."""
+    return (HELLO_HEAD.pack(HELLO_MAGIC, len(peer_id)) + peer_id
+            + hello_mac(token, challenge, peer_id, server_address))
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise DataPlaneError(what)
+        data += chunk
+    return bytes(data)
+
+
+def client_handshake(sock: socket.socket, server_address: bytes, peer_id: bytes, token: bytes,
+                     deadline: float) -> None:
+    """Authenticate a freshly connected ``sock`` (blocking, by ``deadline``, monotonic).
+    ``DataPlaneError`` if the server is no kvstream data port, refuses the credentials or
+    is full; ``OSError`` (``TimeoutError`` included) if the connection fails."""
+    head = _recv_by(sock, CHALLENGE.size, deadline, "closed before its challenge (at its "
+                    "limit of connections in the handshake?)")
+    magic, challenge = CHALLENGE.unpack(head)
+    if magic != AUTH_MAGIC:
+        raise DataPlaneError("not a kvstream TCP data port of this version (bad challenge)")
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    sock.sendall(hello(token, challenge, peer_id, server_address))
+    (reply,) = REPLY.unpack(_recv_by(
+        sock, REPLY.size, deadline,
+        "refused our credentials (stale token: did the peer restart?)"))
+    if reply == BUSY:
+        raise DataPlaneError("is at its limit of connections")
+    if reply != ACCEPTED:
+        raise DataPlaneError(f"answered the handshake with {reply:#x}")
 
 
 def tune(sock: socket.socket, limits: TcpLimits) -> None:

@@ -1,5 +1,11 @@
-"""The receiving side of the TCP data plane: the listener, one reader thread per accepted
-connection, and the tag table those threads and the event loop share.
+"""The receiving side of the TCP data plane: the listener, the handshake, one reader
+thread per authenticated connection, and the tag table those threads and the event loop
+share.
+
+One thread (the acceptor) polls the listener and every connection still in the handshake
+(dataplane.tcp_conn describes it): a stranger costs an fd and a small buffer for at most
+``auth_timeout_s``, never a thread, and no byte it sends reaches the tag table. A reader
+thread starts only for a connection whose hello proved it holds a token we issued.
 
 Tag rules as with UCX and the loopback (dataplane.tcp explains the bounds and why).
 A receive taken out of the table by a reader is being written into: nobody else may
@@ -10,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
+import select
 import socket
 import threading
 import time
@@ -21,25 +30,61 @@ from typing import Final
 import anyio
 
 from kvstream._exceptions import DataPlaneError
-from kvstream.dataplane.tcp_conn import HEADER, MAGIC, Conn, RecvStalled, TcpLimits, limit, tune
+from kvstream.dataplane.tcp_conn import (
+    ACCEPTED,
+    AUTH_MAGIC,
+    BUSY,
+    CHALLENGE,
+    HEADER,
+    HELLO_HEAD,
+    HELLO_MAGIC,
+    MAC_BYTES,
+    MAGIC,
+    MAX_ID_BYTES,
+    REPLY,
+    Conn,
+    RecvStalled,
+    TcpLimits,
+    hello_mac,
+    limit,
+    make_token,
+    tune,
+)
 
 __all__ = ["Inbox", "TcpRecv", "TcpStatistics"]
 
 JOIN_S: Final = 5.0  # close() waits this long for the threads to end
+_ACCEPT_BATCH: Final = 64  # accepts per wake-up, so handshakes in flight still get turns
 
 
 @dataclass(frozen=True)
 class TcpStatistics:
-    accepted: int  # connections accepted since open
-    refused: int  # closed at once: max_connections were open
-    connections: int  # accepted connections open now
+    accepted: int  # connections authenticated and admitted since open
+    refused: int  # authenticated, told BUSY and closed: max_connections were open
+    connections: int  # authenticated connections open now
     bad_frames: int  # connections closed for a bad magic, flags or length
     truncated: int  # receives failed by a longer frame
     dropped_unread: int  # unexpected frames dropped: too large, or no room to wait
     waiting: int  # unexpected messages waiting for a receive
     waiting_bytes: int
-    refused_per_ip: int  # closed at once: max_connections_per_ip from its address open
-    timed_out: int  # closed: no first header within idle_timeout_s, or a frame stalled
+    refused_per_ip: int  # as ``refused``: max_connections_per_ip from its address open
+    timed_out: int  # authenticated connections closed: a frame stalled idle_timeout_s
+    authenticating: int  # connections in the handshake now
+    # Closed before authenticating: a bad or wrong hello, none within auth_timeout_s,
+    # a hang-up, or evicted by a newer connection (counted in ``evicted`` too).
+    unauthenticated: int
+    evicted: int  # in the handshake when its max_unauthenticated(_per_ip) bound was full
+
+
+class _Pending:
+    """A connection in the handshake (acceptor thread only): what of its hello is here."""
+
+    __slots__ = ("buf", "challenge", "deadline", "ip", "need", "sock")
+
+    def __init__(self, sock: socket.socket, ip: str, deadline: float, challenge: bytes) -> None:
+        self.sock, self.ip, self.deadline, self.challenge = sock, ip, deadline, challenge
+        self.buf = bytearray()
+        self.need = HELLO_HEAD.size  # then the whole hello, once its head tells the length
 
 
 class TcpRecv:
@@ -89,18 +134,23 @@ class Inbox:
     """What arrives at one listening socket, matched against the receives posted here."""
 
     def __init__(self, listener: socket.socket, limits: TcpLimits,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, address: bytes) -> None:
         self.limits = limits
         self.loop = loop
         self._listener = listener
+        self._address = address  # what hellos are bound to
+        self._secret = secrets.token_bytes(32)  # tokens die with this transport
+        listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the acceptor
         self._lock = threading.Lock()  # everything below; reader threads share it
         self._posted: dict[int, deque[TcpRecv]] = {}
         self._unexpected: dict[int, deque[bytearray]] = {}
         self._waiting = self._waiting_bytes = 0
-        self._incoming: dict[Conn, threading.Thread] = {}
-        self._per_ip: dict[str, int] = {}  # accepted connections open, by remote address
+        self._incoming: dict[Conn, threading.Thread] = {}  # authenticated, with readers
+        self._per_ip: dict[str, int] = {}  # authenticated connections open, by address
         self._accepted = self._refused = self._bad_frames = self._truncated = 0
         self._refused_per_ip = self._timed_out = 0
+        self._authenticating = self._unauthenticated = self._evicted = 0
         self.dropped_unread = 0
         self.closed = False
         self._name = f"kvstream-tcp-{listener.getsockname()[1]}"
@@ -113,7 +163,11 @@ class Inbox:
             return TcpStatistics(self._accepted, self._refused, len(self._incoming),
                                  self._bad_frames, self._truncated, self.dropped_unread,
                                  self._waiting, self._waiting_bytes, self._refused_per_ip,
-                                 self._timed_out)
+                                 self._timed_out, self._authenticating,
+                                 self._unauthenticated, self._evicted)
+
+    def token_for(self, peer_id: bytes) -> bytes:
+        return make_token(self._secret, peer_id)
 
     def check_open(self, what: str) -> None:
         if self.closed:
@@ -163,9 +217,11 @@ class Inbox:
             recv._finish(0, "transport closed")
         deadline = time.monotonic() + JOIN_S
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (Linux)
+            self._wake_w.send(b"x")
         self._acceptor.join(JOIN_S)
         self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
         with self._lock:
             incoming = list(self._incoming.items())
         for conn, _ in incoming:
@@ -219,47 +275,142 @@ class Inbox:
             recv._fill(data)
 
     def _accept_loop(self) -> None:
+        """Accept, and carry every connection in the handshake forward as its bytes come
+        (non-blocking sockets, one poll); admitted ones get a reader thread."""
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        pending: dict[int, _Pending] = {}  # by fd, in accept order: oldest deadline first
+        try:
+            while not self.closed:
+                timeout = None
+                if pending:
+                    left = next(iter(pending.values())).deadline - time.monotonic()
+                    timeout = max(0, int(left * 1000) + 1)  # ms, rounded up
+                for fd, _ in poller.poll(timeout):
+                    if fd == self._listener.fileno():
+                        self._accept_some(poller, pending)
+                    elif (p := pending.get(fd)) is not None:
+                        self._advance(poller, pending, p)
+                now = time.monotonic()
+                for p in [p for p in pending.values() if p.deadline <= now]:
+                    self._drop(poller, pending, p)
+        finally:
+            for p in list(pending.values()):
+                self._drop(poller, pending, p)
+
+    def _accept_some(self, poller: select.poll, pending: dict[int, _Pending]) -> None:
         limits = self.limits
-        while True:
+        for _ in range(_ACCEPT_BATCH):
             try:
                 sock, peer = self._listener.accept()
+            except BlockingIOError:
+                return
             except OSError:
-                if self.closed:
-                    return
-                time.sleep(0.05)  # out of fds, or an aborted handshake: try again
-                continue
-            deadline = time.monotonic() + limits.idle_timeout_s  # for its first header
+                if not self.closed:
+                    time.sleep(0.05)  # out of fds, or an aborted handshake: try again
+                return
             ip = str(peer[0])
-            tune(sock, limits)
-            conn = Conn(sock)
-            conn.acquire()  # the reader's own reference
-            thread = threading.Thread(target=self._read_loop, args=(conn, ip, deadline),
-                                      daemon=True, name=f"{self._name}-read")
+            mine = [p for p in pending.values() if p.ip == ip]
+            if len(mine) >= limits.max_unauthenticated_per_ip:
+                self._drop(poller, pending, mine[0], evicted=True)
+            elif len(pending) >= limits.max_unauthenticated:
+                self._drop(poller, pending, next(iter(pending.values())), evicted=True)
+            challenge = secrets.token_bytes(16)
+            try:
+                sock.setblocking(False)
+                sock.send(CHALLENGE.pack(AUTH_MAGIC, challenge))  # an empty buffer takes it
+            except OSError:
+                sock.close()
+                with self._lock:
+                    self._unauthenticated += 1
+                continue
+            p = _Pending(sock, ip, time.monotonic() + limits.auth_timeout_s, challenge)
+            pending[sock.fileno()] = p
+            poller.register(sock, select.POLLIN)
             with self._lock:
-                full = len(self._incoming) >= limits.max_connections
-                crowded = self._per_ip.get(ip, 0) >= limits.max_connections_per_ip
-                admit = not self.closed and not full and not crowded
-                if admit:
-                    self._incoming[conn] = thread
-                    self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
-                    self._accepted += 1
-                elif full or not crowded:
-                    self._refused += 1
-                else:
-                    self._refused_per_ip += 1
-            if admit:
-                thread.start()
-            else:
-                conn.shutdown()
-                conn.release()
+                self._authenticating += 1
 
-    def _read_loop(self, conn: Conn, ip: str, deadline: float) -> None:
+    def _drop(self, poller: select.poll, pending: dict[int, _Pending], p: _Pending, *,
+              evicted: bool = False, admitted: bool = False) -> None:
+        """Take ``p`` out of the handshake; close it unless it was ``admitted``."""
+        del pending[p.sock.fileno()]
+        poller.unregister(p.sock)
+        with self._lock:
+            self._authenticating -= 1
+            if not admitted:
+                self._unauthenticated += 1
+                self._evicted += evicted
+        if not admitted:
+            p.sock.close()
+
+    def _advance(self, poller: select.poll, pending: dict[int, _Pending], p: _Pending) -> None:
+        """Read what is there of ``p``'s hello (never past it: frames follow); judge it
+        once whole."""
+        while True:
+            try:
+                chunk = p.sock.recv(p.need - len(p.buf))
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._drop(poller, pending, p)
+                return
+            p.buf += chunk
+            if len(p.buf) < p.need:
+                continue
+            if p.need == HELLO_HEAD.size:
+                magic, n = HELLO_HEAD.unpack(p.buf)
+                if magic != HELLO_MAGIC or not 1 <= n <= MAX_ID_BYTES:
+                    self._drop(poller, pending, p)
+                    return
+                p.need += n + MAC_BYTES
+                continue
+            peer_id = bytes(p.buf[HELLO_HEAD.size:-MAC_BYTES])
+            want = hello_mac(self.token_for(peer_id), p.challenge, peer_id, self._address)
+            if not hmac.compare_digest(want, bytes(p.buf[-MAC_BYTES:])):
+                self._drop(poller, pending, p)
+                return
+            self._drop(poller, pending, p, admitted=True)
+            self._admit(p.sock, p.ip)
+            return
+
+    def _admit(self, sock: socket.socket, ip: str) -> None:
+        """An authenticated connection: a reader thread, if the caps leave room."""
+        limits = self.limits
+        conn = Conn(sock)
+        conn.acquire()  # the reader's own reference
+        thread = threading.Thread(target=self._read_loop, args=(conn, ip), daemon=True,
+                                  name=f"{self._name}-read")
+        with self._lock:
+            full = len(self._incoming) >= limits.max_connections
+            crowded = self._per_ip.get(ip, 0) >= limits.max_connections_per_ip
+            admit = not self.closed and not full and not crowded
+            if admit:
+                self._incoming[conn] = thread
+                self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+                self._accepted += 1
+            elif full or not crowded:
+                self._refused += 1
+            else:
+                self._refused_per_ip += 1
+        with contextlib.suppress(OSError):  # a fresh socket's empty buffer takes it
+            sock.send(REPLY.pack(ACCEPTED if admit else BUSY))
+        if admit:
+            sock.setblocking(True)
+            tune(sock, limits)
+            thread.start()
+        else:
+            conn.shutdown()
+            conn.release()
+
+    def _read_loop(self, conn: Conn, ip: str) -> None:
         head = bytearray(HEADER.size)
         view = memoryview(head)
-        first: float | None = deadline
         try:
-            while self._read_header(conn, view, first):
-                first = None
+            conn.set_recv_timeout(self.limits.idle_timeout_s)
+            while self._read_header(conn, view):
                 magic, flags, tag, length = HEADER.unpack(head)
                 if magic != MAGIC or flags or length > self.limits.max_frame_bytes:
                     with self._lock:
@@ -281,28 +432,21 @@ class Inbox:
                 if left:
                     self._per_ip[ip] = left
 
-    def _read_header(self, conn: Conn, view: memoryview, deadline: float | None) -> bool:
-        """A whole frame header; False on EOF first. ``deadline``: the first header's, by
-        which it must be complete. Between later frames the connection may idle for ever
-        (it is reused), but a header begun must go on: ``RecvStalled`` when it stalls."""
+    def _read_header(self, conn: Conn, view: memoryview) -> bool:
+        """A whole frame header; False on EOF first. Between frames the connection may
+        idle for ever (it is reused), but a header begun must go on: ``RecvStalled``
+        when it stalls."""
         got = 0
         while got < len(view):
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RecvStalled("no frame header within idle_timeout_s of accept")
-                conn.set_recv_timeout(left)
             try:
                 n = conn.recv_some(view[got:])
             except RecvStalled:
-                if got or deadline is not None:
+                if got:
                     raise
                 continue  # idle between frames: one wake-up per idle_timeout_s
             if n == 0:
                 return False
             got += n
-        if deadline is not None:  # from now on: the stall bound inside a frame
-            conn.set_recv_timeout(self.limits.idle_timeout_s)
         return True
 
     def _read_frame(self, conn: Conn, tag: int, length: int) -> bool:

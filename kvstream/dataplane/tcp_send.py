@@ -149,8 +149,8 @@ class Sender:
 class Lane:
     """One of a peer's connections, made on first use and again after it broke."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, address: bytes, host: str, port: int) -> None:
+        self.address, self.host, self.port = address, host, port  # its credentials' key
         self.lock = anyio.Lock()  # one connect at a time; waiters keep their order
         self.connecting = 0  # tasks in or waiting for the connect path
         self.sender: Sender | None = None

@@ -11,10 +11,20 @@ layout (K and V planes for ``kv_outer`` arrangements).
 
 Per layer the sender sends a header then the parts; the header carries the
 trace context and lets the receiver check it got what the manifest promised.
+
+Headers and credits are authenticated (``FrameMac``): each carries a 16-byte keyed
+BLAKE2b MAC under the transfer's own key, derived from the key the two agents share and
+the transfer's id and tags, so only the two ends can make one. A header that does not
+verify is never taken as "layer ready" (the same-host paths read the layer only after
+it), and a credit that does not verify grants nothing; both are counted. Payload bytes
+are not MACed: on UCX, shared memory and CUDA IPC they are protected by the secrecy of
+the tags and keys (which travel only boxed on the control plane), not by a MAC per byte.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import struct
 from typing import Final
@@ -24,10 +34,12 @@ import msgspec
 from kvstream._exceptions import ProtocolError
 
 __all__ = [
+    "CREDIT_BYTES",
     "HEADER_CAPACITY",
     "KIND_CREDIT",
     "KIND_DATA",
     "KIND_HEADER",
+    "FrameMac",
     "LayerHeader",
     "decode_credit",
     "decode_header",
@@ -85,6 +97,7 @@ class LayerHeader(msgspec.Struct, array_like=True, frozen=True):
     parts: int
     codec: str = "none"
     traceparent: str = ""
+    mac: bytes = b""  # FrameMac.header's, over every field above
 
 
 _encoder: Final = msgspec.msgpack.Encoder()
@@ -116,6 +129,9 @@ def decode_header(buf: memoryview) -> LayerHeader:
 
 
 _CREDIT: Final = struct.Struct("<q")
+MAC_BYTES: Final = 16
+CREDIT_BYTES: Final = _CREDIT.size + MAC_BYTES  # an authenticated credit
+_MACED: Final = struct.Struct("<Qq")  # a credit's tag and count, as MACed
 
 
 def encode_credit(granted_layers: int) -> bytes:
@@ -126,3 +142,49 @@ def decode_credit(buf: memoryview | bytes) -> int:
     if len(buf) < _CREDIT.size:
         raise ProtocolError(f"a credit is {_CREDIT.size} bytes, got {len(buf)}")
     return int(_CREDIT.unpack_from(buf, 0)[0])
+
+
+class FrameMac:
+    """One transfer's MAC key: what makes its headers and credits, and checks them.
+
+    ``derive`` gives both ends the same key from the key their agents share
+    (``Identity.pair_key``) and the transfer's id and tags; nobody else can compute it.
+    A MAC is keyed BLAKE2b (about a microsecond), checked in constant time."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    @classmethod
+    def derive(cls, pair_key: bytes, transfer_id: str, src_tag: int, dst_tag: int) -> FrameMac:
+        data = b"%s\0%d\0%d" % (transfer_id.encode(), src_tag, dst_tag)
+        return cls(hashlib.blake2b(data, key=pair_key, digest_size=32,
+                                   person=b"kvs-xfer-key").digest())
+
+    def _mac(self, data: bytes) -> bytes:
+        return hashlib.blake2b(data, key=self._key, digest_size=MAC_BYTES).digest()
+
+    def header(self, xfer_tag: int, layer: int, nbytes: int, parts: int, codec: str = "none",
+               traceparent: str = "") -> LayerHeader:
+        """A layer header carrying its MAC."""
+        mac = self._mac(_encoder.encode((xfer_tag, layer, nbytes, parts, codec, traceparent)))
+        return LayerHeader(xfer_tag, layer, nbytes, parts, codec, traceparent, mac)
+
+    def header_ok(self, h: LayerHeader) -> bool:
+        want = self._mac(_encoder.encode((h.xfer_tag, h.layer, h.nbytes, h.parts, h.codec,
+                                          h.traceparent)))
+        return hmac.compare_digest(want, h.mac)
+
+    def credit(self, tag: int, granted_layers: int) -> bytes:
+        """An authenticated credit for ``tag`` (``CREDIT_BYTES``)."""
+        body = _CREDIT.pack(granted_layers)
+        return body + self._mac(_MACED.pack(tag, granted_layers))
+
+    def credit_of(self, tag: int, buf: memoryview | bytes) -> int | None:
+        """The layers a credit on ``tag`` grants; None when it does not verify."""
+        if len(buf) < CREDIT_BYTES:
+            return None
+        granted = int(_CREDIT.unpack_from(buf, 0)[0])
+        mac = bytes(buf[_CREDIT.size:CREDIT_BYTES])
+        if not hmac.compare_digest(self._mac(_MACED.pack(tag, granted)), mac):
+            return None
+        return granted

@@ -3,6 +3,11 @@
 One job: ``expect()`` reserves blocks for a request; a manifest (the offer of a push) is
 checked against registered memory and the layout, then bound to its reservation, or held
 whole in the bounded staging pool until ``expect()`` claims it, or refused with a reason.
+
+A push nobody reserved for ("unsolicited") may come from anyone with a key, and keys are
+free to mint: what such pushes hold is bounded apart from what this agent expects (table
+entries in the book, staging bytes here; in all and per sender), so reservations, pulls and
+pushes never wait for, or fail because of, strangers' staged pushes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import CapacityError, InvalidBlockError
+from kvstream._exceptions import CapacityError, InvalidBlockError, ProtocolError
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
@@ -48,11 +53,7 @@ if TYPE_CHECKING:
 
     Reject = Callable[[m.RejectCode, str], m.Reject]
 
-__all__ = ["STAGING_PEER_SHARE", "Admission"]
-
-# The most of the staging pool one source may hold in pushes nobody reserved for yet (its
-# first may be larger): a peer that floods manifests cannot starve every other sender.
-STAGING_PEER_SHARE = 0.5
+__all__ = ["Admission"]
 
 log = logging.getLogger("kvstream.agent")
 
@@ -74,6 +75,31 @@ class Admission:
     def __init__(self, core: Core) -> None:
         self.core = core
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        cfg, book = core.config, core.book
+        # The book's own bounds for unsolicited pushes, from the config (AgentConfig says why).
+        book.max_staged = max(1, int(cfg.max_transfers * cfg.unsolicited_transfers_share))
+        book.max_staged_per_peer = max(1, int(book.max_staged * cfg.unsolicited_sender_share
+                                              / cfg.unsolicited_staging_share))
+
+    def _unsolicited_refusal(self, src: str, need: int) -> str | None:
+        """Why a push from ``src`` nobody reserved for, needing ``need`` bytes of staging,
+        may not be staged now (counted), if so: beyond the share of all unsolicited pushes,
+        or beyond ``src``'s own share (its first may be larger, within the share of all)."""
+        core = self.core
+        pool = core.staging.max_bytes
+        limit = int(pool * core.config.unsolicited_staging_share)
+        mine = core.book.unsolicited(src).nbytes
+        if mine and mine + need > int(pool * core.config.unsolicited_sender_share):
+            core.count("refused_unsolicited_sender", 1)
+            why = (f"{src} already holds {mine} B of staging here without reservations (at "
+                   f"most {core.config.unsolicited_sender_share:.1%} of {pool} B per sender)")
+        elif core.book.unsolicited().nbytes + need > limit:
+            why = (f"pushes nobody reserved for hold {core.book.unsolicited().nbytes} B of "
+                   f"staging here; {need} B more would pass their {limit} B share")
+        else:
+            return None
+        core.count("refused_unsolicited", 1)
+        return why
 
     def _taken(self, transfer_id: str) -> None:
         """This manifest was accepted: a copy of it later is a replay."""
@@ -81,30 +107,29 @@ class Admission:
         if len(self._seen) > SEEN_TRANSFERS:
             self._seen.popitem(last=False)
 
-    def expect(self, request_id: str, dst_blocks: Sequence[int], *,
-               have: Iterable[int] = (), src: str | None = None) -> ReceiveHandle:
-        """``src``: only that instance's push may land (any signed one's, without it)."""
+    def expect(self, request_id: str, dst_blocks: Sequence[int], *, src: str,
+               have: Iterable[int] = ()) -> ReceiveHandle:
+        """Only ``src``'s push may land: a push from anyone else is refused."""
         core = self.core
         mem = core.mem()
-        if src is not None:
-            Subjects.check_instance_id(src)
+        Subjects.check_instance_id(src)
         current = core.book.receiving.get(request_id)
         if current is not None and current.kind is Kind.STAGED:
-            if (src is None or current.peer == src) and have:
+            if current.peer == src and have:
                 # A staged push holds every block, and claiming writes them all: it would
                 # overwrite the blocks the engine has already (shared, prefix-cached).
                 core.end(current, TransferState.ABORTED, "staged whole, but the engine has "
                          "some of its blocks already", EndCause.ENGINE_ABORT)
                 raise InvalidBlockError(f"the push staged for {request_id!r} cannot skip the "
                                         "blocks the engine has: dropped")
-            if src is None or current.peer == src:
+            if current.peer == src:
                 return self._claim(current, mem, dst_blocks)
             core.count("forbidden", 1)  # staged by another source: it never lands here
             core.end(current, TransferState.ABORTED, f"staged by {current.peer}, not by the "
                      f"expected {src}", EndCause.ENGINE_ABORT)
         blocks = mem.block_map(dst_blocks, what="destination block")
         entry = core.book.reserve(request_id, core.clock())
-        entry.expect_from = src or ""
+        entry.expect_from = src
         transfer = Transfer(transfer_id="", request_id=request_id, side=Side.RECV, peer="",
                             num_layers=mem.layout.num_layers,
                             layer_bytes=mem.planes * mem.plane_bytes(len(blocks)),
@@ -170,6 +195,11 @@ class Admission:
         try:
             if core.memory is not mem:
                 return reject("no_reservation", f"{core.instance_id}'s KV memory changed")
+            if choice.path == "tcp":  # our credits go to its port: with its token
+                try:
+                    core.paths.trust_tcp(msg.src, choice.tcp, msg.tcp_token)
+                except ProtocolError as exc:
+                    return reject("incompatible", str(exc))
             return self._admit(msg, headers, mem, choice, reject)
         finally:
             choice.release()  # unless a stream took it
@@ -193,7 +223,7 @@ class Admission:
             return reject("invalid_blocks", why)
         if entry is None:
             return self._stage(msg, headers, mem, choice, reject)
-        if entry.expect_from and msg.src != entry.expect_from:
+        if msg.src != entry.expect_from:
             core.count("forbidden", 1)
             return reject("forbidden", f"{msg.request_id!r} is expected from "
                           f"{entry.expect_from}, not from {msg.src}")
@@ -237,23 +267,24 @@ class Admission:
                                    core.peer_on_cpu(msg.src))
         layer_bytes = msg.reshape.layer_bytes(mem.layout) if msg.reshape is not None else \
             wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
-        need = (layer_bytes + (wire.HEADER_CAPACITY if single else 0)) * msg.num_layers
-        held = sum(e.staged_bytes for e in core.book.receiving.values()
-                   if e.kind is Kind.STAGED and e.peer == msg.src)
-        if held and held + need > core.staging.max_bytes * STAGING_PEER_SHARE:
-            return reject("busy", f"{msg.src} already holds {held} B of staging here without "
-                          f"reservations (at most {STAGING_PEER_SHARE:.0%} of "
-                          f"{core.staging.max_bytes} B per source)")
+        sizes = [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers
+        need = sum(sizes)
+        # "busy" in every case: the sender backs off and retries for staging_wait_s, in
+        # time for the reservation perhaps (a manifest for a reserved request is no longer
+        # unsolicited).
+        if (why := self._unsolicited_refusal(msg.src, need)) is not None:
+            return reject("busy", why)
         try:
             entry = core.book.stage(msg.request_id, msg.transfer_id, msg.src, core.clock(),
-                                    promised=msg.dst_blocks)
-        except CapacityError as exc:  # the sender backs off and retries, as for a full pool
+                                    promised=msg.dst_blocks, nbytes=need)
+        except CapacityError as exc:
+            core.count("refused_unsolicited", 1)
+            core.count("refused_unsolicited_sender", int(exc.what.endswith("per sender")))
             return reject("busy", str(exc))
-        slots = core.staging.try_acquire_all(
-            [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers)
-        entry.staged_bytes = need
+        slots = core.staging.try_acquire_all(sizes)  # charged exactly ``need``
         if slots is None:
             core.book.drop(entry)
+            core.count("refused_unsolicited", 1)
             return reject("busy", f"no reservation for {msg.request_id!r} and the staging "
                           f"pool is full ({core.staging.in_use} of {core.staging.max_bytes} B)")
         t = Transfer(transfer_id=msg.transfer_id, request_id=msg.request_id, side=Side.RECV,
@@ -291,7 +322,8 @@ class Admission:
                         dst_address=core.transport.address,
                         # A staged push answers [] so both sides derive the same framing.
                         dst_blocks=accepted, skip=skip, path=choice.path,  # type: ignore[arg-type]
-                        dst_tcp=core.paths.tcp_address)
+                        dst_tcp=core.paths.tcp_address,
+                        tcp_token=core.paths.tcp_token(msg.src) if choice.path == "tcp" else b"")
 
 
 def _framing(msg: m.Manifest) -> str:

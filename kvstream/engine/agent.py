@@ -176,8 +176,8 @@ class Agent:
 
     # -- the public calls: kvstream.client_api.TransferClient documents them; the Agent's
     # take the same arguments (a test checks), and expect/offer do no I/O, so are plain.
-    def expect(self, request_id: str, blocks: Sequence[int], *,
-               have: Iterable[int] = (), src: str | None = None) -> ReceiveHandle:
+    def expect(self, request_id: str, blocks: Sequence[int], *, src: str,
+               have: Iterable[int] = ()) -> ReceiveHandle:
         return self._admission.expect(request_id, blocks, have=have, src=src)
 
     async def push(self, request_id: str, dst: str, src_blocks: Sequence[int], *,
@@ -278,14 +278,15 @@ class Agent:
 
     async def note(self, peer: str, topic: str, body: bytes) -> None:
         """Send ``body`` (at most ``MAX_NOTE`` bytes) to ``peer``'s handler of ``topic``,
-        signed, at most once (nobody listening: it is lost; ``NatsConnectError`` if the
+        boxed for it, at most once (nobody listening: it is lost; ``NatsConnectError`` if the
         control plane is down)."""
         Subjects.check_instance_id(peer)
         _check_topic(topic)
         if not isinstance(body, bytes) or len(body) > m.MAX_NOTE:
             raise ConfigError(f"a note's body is bytes, at most {m.MAX_NOTE}")
         core = self._core
-        await core.control.publish(core.subjects.control(peer), m.Note(topic=topic, body=body))
+        await core.control.publish(core.subjects.control(peer), m.Note(topic=topic, body=body),
+                                   peer=peer)
 
     def _on_note(self, msg: m.Note, sender: str) -> None:
         handler = self._notes.get(msg.topic)

@@ -8,8 +8,12 @@ transfer that has none, tell a keeper, lose a lease, renew). The book owns the r
 * an entry ends exactly once: the first end decided wins, and ``finished`` (reported by
   the transfer's release hook) takes it out of every table, once;
 * an ending entry leaves its request's table at once (a new reservation, offer or pull of
-  the same request may start) but keeps counting against ``max_transfers`` until it has
+  the same request may start) but keeps counting against its bound until it has
   finished, because until then its stream may still hold memory;
+* a push nobody reserved for yet (STAGED: anyone with a key can send one) counts apart
+  from ``max_transfers``, within bounds of its own (``max_staged`` in all,
+  ``max_staged_per_peer`` per sender), so strangers never take the room of what this
+  agent expects (reservations, its pulls, pushes and offers); claiming it moves it in;
 * no action names an entry after it finished;
 * ``next_deadline`` says when ``tick`` next has work, so one timer drives it;
 * a **shared offer** (``readers`` > 1: decode ranks that each pull their heads of one
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hmac
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kvstream._exceptions import CapacityError, DuplicateRequestError
@@ -31,7 +36,7 @@ from kvstream.engine.actions import Action, Finish, LoseLease, Renew, Stop, Tell
 from kvstream.engine.entry import Entry, Kind
 from kvstream.transfer.state import EndCause, TransferState
 
-__all__ = ["Action", "Book", "Entry", "Finish", "Kind", "LoseLease", "Renew", "Stop",
+__all__ = ["Action", "Book", "Entry", "Finish", "Held", "Kind", "LoseLease", "Renew", "Stop",
            "TellKeeper", "secret_matches"]
 
 Alive = Callable[[str], bool]
@@ -39,7 +44,16 @@ Alive = Callable[[str], bool]
 
 COUNTERS: Final = ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
                    "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent",
-                   "forbidden", "data_discarded")
+                   "forbidden", "data_discarded", "refused_unsolicited",
+                   "refused_unsolicited_sender", "forged_frames")
+
+
+@dataclass
+class Held:
+    """What unsolicited (staged) pushes hold: entries in the book, bytes of staging."""
+
+    entries: int = 0
+    nbytes: int = 0
 
 
 def secret_matches(entry: Entry, secret: str) -> bool:
@@ -49,8 +63,17 @@ def secret_matches(entry: Entry, secret: str) -> bool:
 
 class Book:
     def __init__(self, *, max_transfers: int, reservation_timeout_s: float,
-                 transfer_timeout_s: float, lease_s: float, renew_every: float = 0.25) -> None:
+                 transfer_timeout_s: float, lease_s: float, renew_every: float = 0.25,
+                 max_staged: int | None = None, max_staged_per_peer: int | None = None) -> None:
+        """``max_staged`` (default a quarter of ``max_transfers``) and
+        ``max_staged_per_peer`` (default a quarter of that): bounds of their own for
+        unsolicited pushes, at least 1 each."""
         self.max_transfers = max_transfers
+        self.max_staged = max(1, max_staged if max_staged is not None else max_transfers // 4)
+        self.max_staged_per_peer = max(1, max_staged_per_peer if max_staged_per_peer
+                                       is not None else self.max_staged // 4)
+        self._unsolicited = Held()
+        self._unsolicited_by: dict[str, Held] = {}  # sender -> what its staged pushes hold
         self.reservation_timeout_s = reservation_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_s = lease_s
@@ -76,17 +99,51 @@ class Book:
     # -- opening ---------------------------------------------------------------------
     @property
     def active(self) -> int:
-        """What counts against ``max_transfers``: every unfinished entry but leases."""
+        """What counts against ``max_transfers``: every unfinished entry but leases and
+        unsolicited (staged) pushes."""
         return self._active
 
-    def _open(self, entry: Entry) -> Entry:
-        if entry.kind is not Kind.LEASE and self.active >= self.max_transfers:
+    def unsolicited(self, peer: str | None = None) -> Held:
+        """What unfinished staged pushes hold (ending ones too: their streams may still
+        hold buffers): all of them, or ``peer``'s. A copy."""
+        held = self._unsolicited if peer is None else self._unsolicited_by.get(peer, Held())
+        return Held(held.entries, held.nbytes)
+
+    def _check_room(self) -> None:
+        if self.active >= self.max_transfers:
             raise CapacityError(f"max_transfers={self.max_transfers} reached",
                                 what="transfers", limit=self.max_transfers)
+
+    def _open(self, entry: Entry) -> Entry:
+        if entry.kind is Kind.STAGED:
+            self._check_unsolicited(entry.peer)
+        elif entry.kind is not Kind.LEASE:
+            self._check_room()
         self.live[entry] = None
-        entry.slot = entry.kind is not Kind.LEASE
+        entry.slot = entry.kind not in (Kind.LEASE, Kind.STAGED)
         self._active += entry.slot
+        if entry.kind is Kind.STAGED:
+            self._hold(entry, 1)
         return entry
+
+    def _check_unsolicited(self, peer: str) -> None:
+        if self._unsolicited.entries >= self.max_staged:
+            raise CapacityError(f"{self.max_staged} pushes nobody reserved for are staged "
+                                "already", what="staged transfers", limit=self.max_staged)
+        held = self._unsolicited_by.get(peer)
+        if held is not None and held.entries >= self.max_staged_per_peer:
+            raise CapacityError(f"{peer} has {held.entries} pushes nobody reserved for staged "
+                                f"already (at most {self.max_staged_per_peer} per sender)",
+                                what="staged transfers per sender",
+                                limit=self.max_staged_per_peer)
+
+    def _hold(self, entry: Entry, sign: int) -> None:
+        """Count a staged push in (+1) or out (-1) of the unsolicited bounds."""
+        for held in (self._unsolicited, self._unsolicited_by.setdefault(entry.peer, Held())):
+            held.entries += sign
+            held.nbytes += sign * entry.staged_bytes
+        if not self._unsolicited_by[entry.peer].entries:
+            del self._unsolicited_by[entry.peer]
 
     def reserve(self, request_id: str, now: float) -> Entry:
         if request_id in self.receiving:
@@ -98,20 +155,29 @@ class Book:
         return entry
 
     def stage(self, request_id: str, transfer_id: str, peer: str, now: float,
-              promised: Iterable[int] = ()) -> Entry:
-        """A push arrived before its reservation: it waits in staging, unbound."""
+              promised: Iterable[int] = (), nbytes: int = 0) -> Entry:
+        """A push arrived before its reservation: it waits in staging (``nbytes`` of it),
+        unbound, until claimed or ``reservation_timeout_s`` passes. CapacityError when the
+        unsolicited bounds (all, or ``peer``'s) are reached."""
         if request_id in self.receiving:
             raise DuplicateRequestError(f"request {request_id!r} already has a staged push",
                                         request_id=request_id)
         entry = self._open(Entry(Kind.STAGED, request_id, peer=peer, transfer_id=transfer_id,
-                                 opened_at=now, promised=list(promised),
+                                 opened_at=now, promised=list(promised), staged_bytes=nbytes,
                                  claim_by=now + self.reservation_timeout_s))
         self.receiving[request_id] = entry
         return entry
 
     def bind(self, entry: Entry, transfer_id: str, peer: str) -> None:
-        """A manifest arrived for a reservation, or the engine claimed a staged push."""
+        """A manifest arrived for a reservation, or the engine claimed a staged push: the
+        claimed push is expected now, so it moves into ``max_transfers`` (CapacityError,
+        and it stays staged, when that is full of what the engine expects already)."""
         assert entry.kind in (Kind.RESERVATION, Kind.STAGED) and entry.ending is None
+        if entry.kind is Kind.STAGED:
+            self._check_room()
+            self._hold(entry, -1)
+            entry.slot = True
+            self._active += 1
         entry.kind = Kind.RECEIVE
         entry.transfer_id, entry.peer = transfer_id, peer
         entry.claim_by = math.inf
@@ -360,6 +426,8 @@ class Book:
             del self._negotiating[entry.transfer_id]
         if self.live.pop(entry, False) is None:
             self._active -= entry.slot
+            if entry.kind is Kind.STAGED:
+                self._hold(entry, -1)
 
     def end_all(self, reason: str, cause: EndCause = EndCause.SHUTDOWN, *,
                 leases: bool = False) -> list[Action]:

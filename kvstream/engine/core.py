@@ -95,7 +95,18 @@ class Core:
     def attach(self, control: ControlPort, transport: Transport, spawn: Spawn) -> None:
         self._control, self._transport, self._spawn = control, transport, spawn
         control.seal.identity, control.seal.trust = self.identity, self.trusts
+        control.seal.key_of = self.registry.key_of
         control.seal.registry_prefix = self.subjects.registry_prefix
+        # Every agent announces when it starts and every heartbeat, and greets a newcomer:
+        # a live peer's key is here within a heartbeat; two, and it is taken as absent.
+        control.seal.key_wait_s = 2 * self.config.heartbeat_s
+        control.peer_alive = self.registry.alive
+
+    def pair_key(self, peer: str) -> bytes | None:
+        """The key this agent shares with ``peer`` (data-plane MACs derive from it)."""
+        key = self.identity.public_key if peer == self.instance_id else \
+            self.registry.key_of(peer)
+        return self.identity.pair_key(key) if key is not None else None
 
     def trusts(self, instance_id: str, key: bytes, announced: bool) -> bool:
         """Is ``key`` that instance's? Our own id only with our own key."""
@@ -214,7 +225,7 @@ class Core:
         with contextlib.suppress(KVStreamError):
             await self.control.publish(self.subjects.control(action.keeper), m.Abort(
                 transfer_id="", request_id=action.request_id, reason=action.reason,
-                by=self.instance_id))
+                by=self.instance_id), peer=action.keeper)
 
     # -- peers ---------------------------------------------------------------------------
     async def request_abort(self, peer: str, transfer_id: str, reason: str, *,
@@ -230,7 +241,7 @@ class Core:
                 transfer_id=result.transfer_id, request_id=result.request_id,
                 status=result.status.value,  # type: ignore[arg-type]  # terminal: a Status
                 reason=result.reason, bytes=result.bytes,
-                layers=result.layers, bytes_skipped=result.bytes_skipped))
+                layers=result.layers, bytes_skipped=result.bytes_skipped), peer=peer)
 
     # -- streams ---------------------------------------------------------------------------
     def count(self, key: str, n: int) -> None:
@@ -244,7 +255,8 @@ class Core:
                          publish_done=self.publish_done, count=self.count,
                          peer_alive=self.registry.alive, peer_on_cpu=self.peer_on_cpu,
                          address_shared=self.registry.address_shared,
-                         forget=lambda peer, address: self.forget(peer, address, transport))
+                         forget=lambda peer, address: self.forget(peer, address, transport),
+                         pair_key=self.pair_key)
 
     def peer_on_cpu(self, peer: str) -> bool:
         """Whether ``peer`` announces its KV in host memory (not announced: assumed so)."""

@@ -41,7 +41,7 @@ class Entry:
     lease_until: float = math.inf
     keepers: set[str] = field(default_factory=set)  # who renewed an offer
     staged_bytes: int = 0  # a staged push's share of the staging pool
-    expect_from: str = ""  # a reservation's only allowed source ("" = any signed one)
+    expect_from: str = ""  # a reservation's only allowed source
     secret: str = ""  # an offer's secret (source side), or the one it was kept/pulled with
     promised: list[int] = field(default_factory=list)  # a staged push's named blocks
     streaming: bool = False  # a stream runs for it: ending goes through ``Stop``

@@ -17,7 +17,7 @@ import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvstream import telemetry
-from kvstream._exceptions import CapacityError, ConfigError
+from kvstream._exceptions import CapacityError, ConfigError, ProtocolError
 from kvstream.control import messages as m
 from kvstream.dataplane.send import SendStream
 from kvstream.engine.book import Kind, secret_matches
@@ -181,6 +181,11 @@ class Offers:
         src_tag = core.new_tag(t)
         # The puller's pick, unless this instance does not offer it: then plain UCX.
         why = core.paths.refusal(msg.path, peer=msg.dst, peer_tcp=msg.dst_tcp, codec=codec)
+        if why is None and msg.path == "tcp":
+            try:  # our data goes to its port: with its token
+                core.paths.trust_tcp(msg.dst, msg.dst_tcp, msg.tcp_token)
+            except ProtocolError as exc:
+                why = str(exc)
         if why is not None:
             log.info("the pull of %r asks for path %s: %s; sending over UCX", msg.request_id,
                      msg.path, why)
@@ -198,6 +203,7 @@ class Offers:
             block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
             lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [],
             path=path, src_host=core.paths.host, src_tcp=core.paths.tcp_address,
+            tcp_token=core.paths.tcp_token(msg.dst) if path == "tcp" else b"",
             src_shared=core.paths.shared if path == "shm" else None,
             src_secrets=core.paths.proofs(msg.dst, t.transfer_id) if path == "shm" else [],
             src_device=core.paths.device_for(msg.dst, path, codec),

@@ -23,6 +23,7 @@ from kvstream.engine.devpaths import DeviceIpc, ordinal
 if TYPE_CHECKING:
     from kvstream.config import AgentConfig
     from kvstream.control.registry import Registry
+    from kvstream.dataplane.tcp import TcpTransport
     from kvstream.dataplane.transport import Transport
     from kvstream.memory import RegisteredKV
     from kvstream.transfer.state import Transfer
@@ -97,7 +98,7 @@ class DataPaths:
         self.host = host_identity(config.host_id)
         self.maps = PeerMaps()
         self.ipc = DeviceIpc(config.instance_id)
-        self.tcp: Transport | None = None
+        self.tcp: TcpTransport | None = None
         self.shared: shm.SharedExport | None = None
         self.device = "cpu"
 
@@ -107,6 +108,20 @@ class DataPaths:
         if self.tcp is None or self.device != "cpu":
             return b""
         return self.tcp.address
+
+    def tcp_token(self, peer: str) -> bytes:
+        """The token ``peer`` connects to our TCP data port with (b"": we offer no port).
+        It travels only in boxed messages to that peer."""
+        if self.tcp is None or not self.tcp_address:
+            return b""
+        return self.tcp.token_for(peer)
+
+    def trust_tcp(self, peer: str, address: bytes, token: bytes) -> None:
+        """Connect to ``peer``'s TCP data port (``address``) with the token it issued us.
+        ``ProtocolError`` without a well-formed one: its port would refuse us."""
+        if self.tcp is None or not token:
+            raise ProtocolError(f"{peer} gave no token for its TCP data port")
+        self.tcp.set_credentials(address, self.config.instance_id, token)
 
     def register(self, mem: RegisteredKV) -> None:
         """Export the memory to same-host peers if it lives in shared segments."""

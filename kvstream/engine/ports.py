@@ -18,6 +18,7 @@ from kvstream.control.subjects import Subjects
 if TYPE_CHECKING:
     from kvstream.config import AgentConfig
     from kvstream.control.port import ControlPort
+    from kvstream.dataplane.tcp import TcpTransport
     from kvstream.dataplane.transport import Transport
 
 __all__ = ["open_control", "open_tcp", "open_transport"]
@@ -77,7 +78,7 @@ def _route_to(url: str) -> str:
 
 
 async def open_tcp(cfg: AgentConfig, stack: contextlib.AsyncExitStack,
-                   nats_url: str) -> Transport | None:
+                   nats_url: str) -> TcpTransport | None:
     """kvstream's TCP data path (None when the config leaves it out)."""
     if "tcp" not in cfg.paths or cfg.tcp_listen == "off":
         return None

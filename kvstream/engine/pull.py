@@ -159,6 +159,7 @@ class Puller:
                            wire_fingerprint=wire_fingerprint(mem.layout, want_codec),
                            secret=entry.secret, path=path,  # type: ignore[arg-type]
                            dst_host=core.paths.host, dst_tcp=core.paths.tcp_address,
+                           tcp_token=core.paths.tcp_token(src) if path == "tcp" else b"",
                            reshape=reshape, dst_layout=mem.layout if reshape else None,
                            dst_tp=core.config.tp if reshape else None,
                            readers=max(1, entry.readers)),
@@ -249,6 +250,7 @@ class Puller:
         if path == "tcp":
             if manifest.src_tcp != choice.tcp:
                 raise ProtocolError(f"{manifest.src} answered with another TCP address")
+            self.core.paths.trust_tcp(manifest.src, choice.tcp, manifest.tcp_token)
             return path, choice.tcp
         return path, manifest.src_address
 

@@ -111,6 +111,7 @@ class Pusher:
             deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
             src_host=core.paths.host, src_tcp=core.paths.tcp_address,
+            tcp_token=core.paths.tcp_token(dst_instance),
             src_shared=core.paths.shared if verbatim else None,
             src_secrets=core.paths.proofs(dst_instance, transfer.transfer_id)
             if verbatim else [],
@@ -147,6 +148,8 @@ class Pusher:
                                           codec=wire_codec,
                                           sent_device=manifest.src_device is not None)):
                 raise ProtocolError(f"{dst_instance} chose a path this instance refuses: {why}")
+            if reply.path == "tcp":
+                core.paths.trust_tcp(dst_instance, reply.dst_tcp, reply.tcp_token)
             if entry.ending is not None:  # ended while negotiating (shutdown, abort)
                 raise TransferAbortedError(f"push of {request_id!r} ended: {entry.ending[1]}",
                                            request_id=request_id, peer=dst_instance)

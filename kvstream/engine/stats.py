@@ -46,6 +46,13 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # secret (a pull, renewal or abort by a third party).
     forbidden_requests: int = 0
     data_discarded: int = 0  # data-plane messages on no live tag, dropped unread
+    # Data-plane headers or credits whose MAC failed (not from the transfer's peer): the
+    # transfer they claimed fails (a header) or ignores them (a credit).
+    forged_frames: int = 0
+    # Pushes nobody reserved, refused "busy": past their share of the staging pool or of
+    # the transfer table (all of them), and of those, past one sender's share.
+    refused_unsolicited: int = 0
+    refused_unsolicited_sender: int = 0
     # Transfers started per data-plane path (dataplane/paths.py), e.g. {"shm": 3}.
     paths: dict[str, int] = {}
 
@@ -79,6 +86,8 @@ def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStati
         bytes_received=c["bytes_received"], bytes_skipped=c["bytes_skipped"],
         staged_dropped=c["staged_dropped"], renewals_sent=c["renewals_sent"],
         unauthenticated_messages=unauthenticated, forbidden_requests=c["forbidden"],
-        data_discarded=c["data_discarded"],
+        data_discarded=c["data_discarded"], forged_frames=c["forged_frames"],
+        refused_unsolicited=c["refused_unsolicited"],
+        refused_unsolicited_sender=c["refused_unsolicited_sender"],
         paths={k[5:]: v for k, v in c.items() if k.startswith("path:")},
     )

@@ -113,6 +113,6 @@ async def note_failed(bus: ControlBus, subjects: Subjects, plan: PushPlan, reaso
     msg = note_message(plan.push_id, "failed", reason, offered=offered)
     for inst in decode_ranks(plan):
         try:
-            await bus.publish(subjects.control(inst), msg)
+            await bus.publish(subjects.control(inst), msg, peer=inst)
         except KVStreamError as exc:
             log.warning("noting push %s failed to %s: %s", plan.push_id, inst, exc)

@@ -109,6 +109,8 @@ class Proxy(Legs):
             subjects = Subjects(cfg.namespace)
             self._bus.seal.identity = Identity(self.proxy_id)
             self._bus.seal.trust = keys.bind_key
+            self._bus.seal.key_of = keys.key_of  # what goes to one instance is boxed for it
+            self._bus.peer_alive = keys.alive
             self._bus.seal.registry_prefix = subjects.registry_prefix
 
             async def on_registry(msg: Any, headers: dict[str, str]) -> None:

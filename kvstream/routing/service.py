@@ -165,6 +165,7 @@ class Router:
         registry = self.directory.registry
         bus.seal.identity = Identity(self.router_id)
         bus.seal.trust = registry.bind_key
+        bus.seal.key_of = registry.key_of  # what goes to one instance is boxed for it
         bus.seal.registry_prefix = self.subjects.registry_prefix
         await bus.serve(self.subjects.registry_all, self._on_registry)
         await bus.flush()
@@ -332,7 +333,8 @@ class Router:
         self._counts["resyncs"] += 1
         try:
             await self._bus.publish(self.subjects.control(iid), m.KVResync(
-                instance_id=iid, reason=f"{self.router_id}: a batch before {seq} is missing"))
+                instance_id=iid, reason=f"{self.router_id}: a batch before {seq} is missing"),
+                peer=iid)
         except Exception as exc:
             log.warning("router %s: asking %s to resync failed: %r", self.router_id, iid, exc)
 

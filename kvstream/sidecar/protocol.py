@@ -69,8 +69,8 @@ class RegisterKV(LocalMessage, tag="register_kv", frozen=True):
 class Expect(LocalMessage, tag="expect", frozen=True):
     request_id: str
     blocks: list[int]
+    src: str  # only this instance's push may land (required: see Agent.expect)
     have: list[int] = []
-    src: str | None = None  # only this instance's push may land
 
 
 class Push(LocalMessage, tag="push", frozen=True):

@@ -77,8 +77,8 @@ async def test_push_and_pull_between_gpu_processes_take_cuda_ipc(nats_server):
            for _ in range(lay.num_layers)]
     try:
         async with Agent(_cfg("g-decode", nats_server.url), layout=lay, kv_caches=dst) as d:
-            rx = {rid: d.expect(rid, db) for rid, (_s, db, how) in REQUESTS.items()
-                  if how.startswith("push")}
+            rx = {rid: d.expect(rid, db, src="g-prefill")
+                  for rid, (_s, db, how) in REQUESTS.items() if how.startswith("push")}
             child.start()
             secrets = await anyio.to_thread.run_sync(q.get, True, 60)
             with anyio.fail_after(20):  # its announcement says it offers CUDA IPC

@@ -77,7 +77,7 @@ async def test_scattered_blocks_move_whole_while_the_gpu_is_busy(nats_server, ho
                     for t in dst:
                         t.zero_()
                     if how == "push":
-                        rx = d.expect(rid, db)
+                        rx = d.expect(rid, db, src=p.instance_id)
                         tx = await p.push(rid, "gd", sb)
                         tx.all_ready()
                     else:
@@ -128,7 +128,7 @@ async def test_sidecar_maps_cuda_kv_through_ipc(tmp_path, nats_server):
                 Client.connect(str(tmp_path / "gsd.sock")) as d:
             await p.register_kv(lay, src)
             await d.register_kv(lay, dst)
-            rx = await d.expect("r", [0, 5])
+            rx = await d.expect("r", [0, 5], src="gsp")
             tx = await p.push("r", "gsd", [3, 9])
             tx.all_ready()
             with anyio.fail_after(30):

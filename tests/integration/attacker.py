@@ -188,7 +188,7 @@ async def _command(agent: Any, kv: Any, ref: Any, layout: Any, handles: dict[str
                                          lease_s=o.get("lease_s"))
                 case "expect":
                     poison(o["dst"])
-                    handle = agent.expect(o["rid"], o["dst"])
+                    handle = agent.expect(o["rid"], o["dst"], src=o["peer"])  # the pusher
                 case "pull":
                     poison(o["dst"])
                     # protocol 2: the offer's secret, handed over with the request id

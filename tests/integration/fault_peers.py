@@ -85,7 +85,8 @@ def _child(spec: dict[str, Any]) -> None:
         op, out = cmd["op"], {"re": cmd["id"]}
         try:
             if op == "expect":
-                rx = handles[cmd["rid"]] = agent.expect(cmd["rid"], cmd["blocks"])
+                rx = handles[cmd["rid"]] = agent.expect(cmd["rid"], cmd["blocks"],
+                                                        src=cmd["src"])
                 tg.start_soon(watch, cmd["rid"], rx)
             elif op == "push":
                 tx = handles[cmd["rid"]] = await agent.push(cmd["rid"], cmd["dst"], cmd["blocks"],

@@ -18,8 +18,9 @@ def _cfg(instance_id: str, nats_url: str) -> Any:
 
 
 def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],
-                q: Any) -> None:
-    """Reserve ``blocks`` for ``request_id``, report, and wait for the transfer."""
+                src: str, q: Any) -> None:
+    """Reserve ``blocks`` for ``request_id`` (a push from ``src`` only), report, and wait
+    for the transfer."""
     from kvstream.engine.agent import Agent
     from tests.fakes import cache
 
@@ -28,7 +29,7 @@ def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list
     async def main() -> None:
         async with Agent(_cfg("peer-decode", nats_url), layout=layout,
                          kv_caches=cache(layout, 32, fill=False)) as agent:
-            handle = agent.expect(request_id, blocks)
+            handle = agent.expect(request_id, blocks, src=src)
             q.put("ready")
             result = await handle.result()
             q.put(result.status)

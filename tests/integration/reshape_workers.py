@@ -147,12 +147,13 @@ class _Worker:
         return [await agent.release(request_id, name, "not needed by this rank", secret=s)
                 for name, s in secrets.items()]
 
-    async def expect(self, request_id: str, blocks: list[int], staged: bool) -> None:
-        """Reserve ``blocks``; ``staged``: only once a push waits in staging for them."""
+    async def expect(self, request_id: str, blocks: list[int], staged: bool, src: str) -> None:
+        """Reserve ``blocks`` for a push from ``src``; ``staged``: only once a push waits in
+        staging for them."""
         (agent,) = self.agents.values()
         while staged and agent.statistics().staged_transfers == 0:
             await anyio.sleep(0.01)
-        self.receive = agent.expect(request_id, blocks)
+        self.receive = agent.expect(request_id, blocks, src=src)
 
     async def received(self) -> tuple[bool, str, str]:
         r = await self.receive.result()

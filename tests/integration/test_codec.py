@@ -58,7 +58,7 @@ async def test_push_8bit_within_bound_half_the_bytes(nats_server, arrangement, s
     lay = layout(arrangement=arrangement)
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=kv(lay, fill=True)) as p, \
             Agent(cfg("cd", nats_server), layout=lay, kv_caches=kv(lay, fill=False)) as d:
-        rx = d.expect("r", db)
+        rx = d.expect("r", db, src=p.instance_id)
         tx = await p.push("r", "cd", sb, codec=codec)
         tx.all_ready()
         with anyio.fail_after(20):
@@ -107,7 +107,7 @@ async def test_another_dtype_is_converted_verbatim_and_decoded_by_fp8(nats_serve
         with anyio.fail_after(10):
             while not p.peers():
                 await anyio.sleep(0.02)
-        rx = d.expect("r", [0, 1])
+        rx = d.expect("r", [0, 1], src=p.instance_id)
         tx = await p.push("r", "cd", [0, 1], codec="none")
         tx.all_ready()
         with anyio.fail_after(20):
@@ -115,7 +115,7 @@ async def test_another_dtype_is_converted_verbatim_and_decoded_by_fp8(nats_serve
         for layer in range(src_lay.num_layers):
             assert torch.equal(d.memory.layers[layer][:, :2],
                                p.memory.layers[layer][:, :2].to(torch.float16))
-        d.expect("r2", [0, 1])
+        d.expect("r2", [0, 1], src=p.instance_id)
         tx = await p.push("r2", "cd", [0, 1], codec="fp8_e4m3")
         tx.all_ready()
         with anyio.fail_after(20):
@@ -131,7 +131,7 @@ async def test_destination_refuses_a_codec_it_does_not_accept(nats_server, accep
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=kv(lay, fill=True)) as p, \
             Agent(cfg("cd", nats_server, accept_codecs=accept), layout=lay,
                   kv_caches=kv(lay, fill=False)) as d:
-        rx = d.expect("r", [0, 1])
+        rx = d.expect("r", [0, 1], src=p.instance_id)
         with pytest.raises(IncompatiblePeerError, match="not accepted"):
             await p.push("r", "cd", [0, 1], codec=codec)
         await rx.abort("refused")
@@ -153,7 +153,7 @@ async def test_fp8_cache_moves_verbatim_with_its_scales(nats_server):
         p.register_kv(lay, src, cache_scales=(0.5, 0.25))
         d.register_kv(lay, dst, cache_scales=(0.5, 0.25))
         o.register_kv(lay, other, cache_scales=(1.0, 1.0))
-        d.expect("r", [5, 6])
+        d.expect("r", [5, 6], src=p.instance_id)
         tx = await p.push("r", "cd", [1, 2])
         tx.all_ready()
         with anyio.fail_after(20):
@@ -162,7 +162,7 @@ async def test_fp8_cache_moves_verbatim_with_its_scales(nats_server):
         for layer in range(4):
             for a, b in ((1, 5), (2, 6)):
                 assert torch.equal(p.memory.read_block(layer, a), d.memory.read_block(layer, b))
-        refused = o.expect("r", [0, 1])
+        refused = o.expect("r", [0, 1], src=p.instance_id)
         with pytest.raises(IncompatiblePeerError, match="scales differ"):
             await p.push("r", "co", [1, 2])
         await refused.abort("refused")
@@ -181,7 +181,7 @@ async def test_non_finite_kv_fails_the_transfer_cleanly(nats_server):
     src[2][0, 5, 3, 1, 7] = float("inf")  # layer 2, K of block 5
     async with Agent(cfg("cp", nats_server), layout=lay, kv_caches=src) as p, \
             Agent(cfg("cd", nats_server), layout=lay, kv_caches=kv(lay, fill=False)) as d:
-        rx = d.expect("r", [0, 1])
+        rx = d.expect("r", [0, 1], src=p.instance_id)
         tx = await p.push("r", "cd", [4, 5], codec="fp8_e4m3")
         tx.all_ready()
         with anyio.fail_after(20), pytest.raises(TransferError, match="inf or NaN"):
@@ -205,11 +205,11 @@ async def test_staged_and_incremental_push_with_fp8(nats_server):
         with anyio.fail_after(20):
             while not d.statistics().staged_transfers:
                 await anyio.sleep(0.02)
-        rx = d.expect("staged", [9, 10, 2])
+        rx = d.expect("staged", [9, 10, 2], src=p.instance_id)
         with anyio.fail_after(20):
             assert (await rx.wait()).ok and (await tx.wait()).ok
         assert_close(p, d, [3, 1, 7], [9, 10, 2])
-        rx = d.expect("inc", [11, 12, 13, 14], have=hashes[:2])
+        rx = d.expect("inc", [11, 12, 13, 14], have=hashes[:2], src=p.instance_id)
         tx = await p.push("inc", "cd", [4, 5, 6, 8], block_hashes=hashes, codec="fp8_e4m3")
         tx.all_ready()
         with anyio.fail_after(20):

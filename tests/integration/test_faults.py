@@ -126,7 +126,7 @@ async def try_push(d: Agent, dkv: list[torch.Tensor], p: AgentProc, rid: str
     the bytes are right. Raises nothing, so that a test can say all of it first."""
     for t in dkv:
         t[:, DST] = 0  # what an earlier transfer left there does not count
-    h = d.expect(rid, DST)
+    h = d.expect(rid, DST, src=p.instance_id)
     await p.call("push", rid=rid, dst=d.instance_id, blocks=SRC, ready=LAY.num_layers)
     with anyio.fail_after(20):
         r = await h.result()
@@ -151,7 +151,7 @@ async def test_kill9_prefill_mid_transfer(nats_server, tmp_path):
                 AgentProc("fp1", nats_server.url, LAY, NB, fill=True, log_dir=tmp_path,
                           cfg=FAST, hold=True) as fresh:  # the restarted engine, same id
             await started(p)
-            h = d.expect("f1", DST)
+            h = d.expect("f1", DST, src=p.instance_id)
             await p.call("push", rid="f1", dst="fd1", blocks=SRC, ready=2)
             with anyio.fail_after(20):
                 await h.wait_layer(1)
@@ -188,7 +188,7 @@ async def test_kill9_decode_mid_transfer(nats_server, tmp_path):
                 AgentProc("fd2", nats_server.url, LAY, NB, fill=False, log_dir=tmp_path,
                           cfg=FAST, hold=True) as fresh:
             await started(d)
-            await d.call("expect", rid="f2", blocks=DST)
+            await d.call("expect", rid="f2", blocks=DST, src=p.instance_id)
             h = await p.push("f2", "fd2", SRC)
             h.layer_ready(0)
             h.layer_ready(1)
@@ -203,7 +203,7 @@ async def test_kill9_decode_mid_transfer(nats_server, tmp_path):
             assert_at_rest(p)
             after_fault = p.statistics()
             await fresh.go()
-            await fresh.call("expect", rid="f2-next", blocks=DST)
+            await fresh.call("expect", rid="f2-next", blocks=DST, src=p.instance_id)
             h2 = await p.push("f2-next", "fd2", SRC)
             h2.all_ready()
             with anyio.fail_after(20):
@@ -259,7 +259,7 @@ async def test_kill9_sidecar(nats_server, tmp_path):
             (proc, sock), (_, sock_b) = procs
             dkv = cache(LAY, NB, fill=False)
             async with Agent(cfg("fd3", nats_server.url), layout=LAY, kv_caches=dkv) as d:
-                h = d.expect("f3", DST)
+                h = d.expect("f3", DST, src="fs3")
                 async with Client.connect(sock) as client:
                     await client.register_kv(LAY, shared_filled())
                     tx = await client.push("f3", "fd3", SRC)
@@ -290,7 +290,7 @@ async def test_kill9_sidecar(nats_server, tmp_path):
                     t[:, DST] = 0
                 async with Client.connect(sock_b) as client:
                     await client.register_kv(LAY, shared_filled())
-                    h2 = d.expect("f3-next", DST)
+                    h2 = d.expect("f3-next", DST, src="fs3b")  # the replacement
                     tx2 = await client.push("f3-next", "fd3", SRC)
                     tx2.all_ready()
                     with anyio.fail_after(20):
@@ -329,7 +329,8 @@ async def test_kill9_nats_server(tmp_path):
                               cfg=FAST) as p:
                 try:
                     await started(p)
-                    ha, hb = d.expect("f4a", DST), d.expect("f4b", other)
+                    ha = d.expect("f4a", DST, src=p.instance_id)
+                    hb = d.expect("f4b", other, src=p.instance_id)
                     await p.call("push", rid="f4a", dst="fd4", blocks=SRC, ready=2)
                     await p.call("push", rid="f4b", dst="fd4", blocks=SRC, ready=2)
                     with anyio.fail_after(20):
@@ -414,7 +415,7 @@ async def test_sigstop_prefill_then_sigcont(nats_server, tmp_path, own_timeout, 
                 AgentProc("fp5", nats_server.url, LAY, NB, fill=True, log_dir=tmp_path,
                           cfg=pcfg) as p:
             await started(p)
-            h = d.expect("f5", DST)
+            h = d.expect("f5", DST, src=p.instance_id)
             t_push = time.monotonic()
             await p.call("push", rid="f5", dst="fd5", blocks=SRC, ready=2)
             with anyio.fail_after(20):
@@ -504,7 +505,7 @@ async def both_see_each_other(p: AgentProc, d: AgentProc, timeout: float) -> flo
 
 async def cross_push(p: AgentProc, d: AgentProc, rid: str, timeout: float | None = None
                      ) -> None:
-    await d.call("expect", rid=rid, blocks=DST)
+    await d.call("expect", rid=rid, blocks=DST, src=p.instance_id)
     await p.call("push", rid=rid, dst=d.instance_id, blocks=SRC, ready=LAY.num_layers,
                  timeout=timeout)
     for side in (p, d):
@@ -529,7 +530,7 @@ async def test_network_partition(netns, tmp_path, cut):
                 await started(p, d)
                 await both_see_each_other(p, d, timeout=10)
                 await cross_push(p, d, "f6-before")  # the path works before the cut
-                await d.call("expect", rid="f6", blocks=DST)
+                await d.call("expect", rid="f6", blocks=DST, src=p.instance_id)
                 t_push = time.monotonic()
                 await p.call("push", rid="f6", dst="fd6", blocks=SRC, ready=2)
                 await d.call("landed", rid="f6", layer=1)

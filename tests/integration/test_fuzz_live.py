@@ -146,7 +146,7 @@ def transfer(fleet: Fleet, p: dict[str, Any], tally: Tally) -> None:
     first: tuple[str, str, dict[str, Any]]
     then: tuple[str, str, dict[str, Any]]
     push = (P, "push", dict(rid=rid, peer=D, src=p["src"], mode=p["mode"]))
-    expect = (D, "expect", dict(rid=rid, dst=p["dst"], src=p["src"]))
+    expect = (D, "expect", dict(rid=rid, peer=P, dst=p["dst"], src=p["src"]))
     if kind == "push":
         first, then = expect, push
     elif kind == "push_staged":

@@ -84,14 +84,14 @@ async def _op(r: Random, p, d, n: int) -> None:
     mode = rng.choice(["pipelined", "eager"])
     match op:
         case "push":
-            r.recvs.append(d.expect(rid, r.blocks(nb)))
+            r.recvs.append(d.expect(rid, r.blocks(nb), src=p.instance_id))
             r.sends.append(await p.push(rid, d.instance_id, r.blocks(nb), mode=mode))
         case "push_staged":
             r.sends.append(await p.push(rid, d.instance_id, r.blocks(nb), mode=mode))
             r.staged.append((rid, nb))
         case "expect_staged" if r.staged:
             srid, snb = r.staged.pop(rng.randrange(len(r.staged)))
-            r.recvs.append(d.expect(srid, r.blocks(snb)))
+            r.recvs.append(d.expect(srid, r.blocks(snb), src=p.instance_id))
         case "offer":
             held = p.offer(rid, r.blocks(nb), mode=mode, lease_s=rng.choice([0.3, 1.0, 5.0]))
             r.sends.append(held)
@@ -188,7 +188,8 @@ async def test_random_lifecycle_with_a_killed_source(nats_server, seed):
                 try:
                     with anyio.fail_after(5):
                         if rng.random() < 0.5:
-                            handles.append(d.expect(rid, rng.sample(range(NBLOCKS), 2)))
+                            handles.append(d.expect(rid, rng.sample(range(NBLOCKS), 2),
+                                                    src="peer-random"))
                         elif rng.random() < 0.5:
                             handles.append(await d.pull(rid, "peer-random", rng.sample(
                                 range(NBLOCKS), 2), mode=rng.choice(["eager", "lazy"]),

@@ -172,7 +172,7 @@ async def test_push_under_per_instance_permissions_and_an_intruder_is_shut_out(c
                          kv_caches=cache(lay, 8, fill=True)) as p, \
                 Agent(cfg("dd", nats, nats_auth=d_auth), layout=lay,
                       kv_caches=cache(lay, 8, fill=False)) as d:
-            rx = d.expect("r", [1, 2])
+            rx = d.expect("r", [1, 2], src=p.instance_id)
             tx = await p.push("r", "dd", [3, 4])
             tx.all_ready()
             with anyio.fail_after(10):

@@ -115,7 +115,7 @@ def same_blocks(p: Agent, d: Agent, src, dst) -> bool:
 
 
 async def push_verified(p: Agent, d: Agent, rid: str, src, dst) -> None:
-    rx = d.expect(rid, dst)
+    rx = d.expect(rid, dst, src=p.instance_id)
     tx = await p.push(rid, d.instance_id, src)
     tx.all_ready()
     with anyio.fail_after(_bound(p)):
@@ -174,7 +174,7 @@ async def open_gated(p: Agent, d: Agent, count: int) -> list[_Gated]:
     for i in range(count):
         src, dst, rid = [2 * i, 2 * i + 1], [2 * i + 1, 2 * i], f"gated-{i}"
         if i % 2 == 0:
-            rx = d.expect(rid, dst)
+            rx = d.expect(rid, dst, src=p.instance_id)
             tx = await p.push(rid, d.instance_id, src)
         else:
             tx = p.offer(rid, src)
@@ -215,7 +215,8 @@ class PushLoop:
                 if len(self.verified(self.kill_at)) >= 3:
                     return
                 src, dst = [n % 16], [16 + n]
-                attempt = _Attempt(f"loop-{n}", d.expect(f"loop-{n}", dst))
+                rx = d.expect(f"loop-{n}", dst, src=p.instance_id)
+                attempt = _Attempt(f"loop-{n}", rx)
                 self.attempts.append(attempt)
                 try:
                     attempt.tx = await p.push(attempt.rid, d.instance_id, src)

@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
         cfg = dict(nats_url=url, heartbeat_s=0.25, peer_timeout_s=1.0)
         async with Agent(AgentConfig(instance_id="op", **cfg), layout=lay, kv_caches=mk()) as p, \\
                 Agent(AgentConfig(instance_id="od", **cfg), layout=lay, kv_caches=mk()) as d:
-            rx = d.expect("r", [0, 1])
+            rx = d.expect("r", [0, 1], src=p.instance_id)
             with trace.get_tracer("engine").start_as_current_span("engine.request"):
                 tx = await p.push("r", "od", [2, 3])  # nests under the engine's span
             tx.all_ready()

@@ -81,7 +81,7 @@ async def test_shm_staged_push_lazy_pull_and_abort(nats_server):
         with anyio.fail_after(10):
             while d.statistics().staged_transfers == 0 or d.statistics().bytes_received == 0:
                 await anyio.sleep(0.02)
-        rx = d.expect("staged", [30, 2, 17])
+        rx = d.expect("staged", [30, 2, 17], src=p.instance_id)
         with anyio.fail_after(10):
             result = await rx.result()
         assert result.ok and result.path == "shm", result
@@ -97,7 +97,7 @@ async def test_shm_staged_push_lazy_pull_and_abort(nats_server):
         assert (await rx.result()).path == "shm"
         assert _same(p, d, [10, 11, 12, 13], [20, 5, 6, 0])
 
-        rx = d.expect("cut", [7, 8])
+        rx = d.expect("cut", [7, 8], src=p.instance_id)
         tx = await p.push("cut", "d-shm", [14, 15])
         tx.layer_ready(0)
         with anyio.fail_after(10):
@@ -113,7 +113,7 @@ async def test_shm_staged_push_lazy_pull_and_abort(nats_server):
 
 async def _push_all(p: Agent, d: Agent, rid: str, src: list[int], dst: list[int]) -> str:
     """Reserve, push every layer, wait: the path the destination says it took."""
-    rx = d.expect(rid, dst)
+    rx = d.expect(rid, dst, src=p.instance_id)
     tx = await p.push(rid, d.instance_id, src)
     for layer in range(p.memory.layout.num_layers if p.memory else 0):
         tx.layer_ready(layer)
@@ -163,7 +163,7 @@ async def test_killed_shm_source_fails_fast_and_is_unmapped(nats_server):
     lay = small_layout(layers=6)
     d_kv = _shared(lay, 16, fill=False)
     async with Agent(cfg("d-kill-shm", nats_server), layout=lay, kv_caches=d_kv.layers) as d:
-        handle = d.expect("r-kill", [0, 1, 2])
+        handle = d.expect("r-kill", [0, 1, 2], src="peer-prefill")
         proc, q = _spawn(prefill_peer, msgspec.msgpack.encode(lay), nats_server.url,
                          "r-kill", "d-kill-shm", [4, 8, 12], 2, True)
         try:
@@ -197,7 +197,7 @@ async def test_two_host_ids_take_tcp_and_results_say_so(nats_server):
         with anyio.fail_after(5):
             while not d.peers() or not p.peers():
                 await anyio.sleep(0.05)
-        rx = d.expect("r", [9, 3, 5])
+        rx = d.expect("r", [9, 3, 5], src=p.instance_id)
         tx = await p.push("r", "d-tcp", [0, 15, 7])
         for layer in range(lay.num_layers):
             tx.layer_ready(layer)

@@ -103,7 +103,7 @@ async def test_incremental_skips_blocks_the_destination_holds(nats_server, direc
                           16) as (p, d):
         have = hashes[:2]  # the destination's prefix cache holds the first two blocks
         if direction == "push":
-            rx = d.expect("r", dst, have=have)
+            rx = d.expect("r", dst, have=have, src=p.instance_id)
             tx = await p.push("r", f"d-inc-{direction}", src, block_hashes=hashes)
             tx.all_ready()
         else:
@@ -270,7 +270,7 @@ async def test_destination_abort_mid_transfer_no_write_after_the_ack(nats_server
     async with agent_pair(nats_server, f"p-nw-{how}", f"d-nw-{how}", lay, 32) as (p, d):
         src, dst = [4, 17, 9, 30], [2, 11, 25, 6]
         if how == "push":
-            rx = d.expect("r", dst)
+            rx = d.expect("r", dst, src=p.instance_id)
             tx = await p.push("r", f"d-nw-{how}", src)
         else:
             tx = p.offer("r", src)
@@ -302,7 +302,7 @@ async def test_per_transfer_deadline_holds_on_both_sides(nats_server, how):
     lay = small_layout()
     async with agent_pair(nats_server, f"p-dl-{how}", f"d-dl-{how}", lay, 8) as (p, d):
         if how == "push":
-            rx = d.expect("r", [1, 2])
+            rx = d.expect("r", [1, 2], src=p.instance_id)
             tx = await p.push("r", f"d-dl-{how}", [3, 4], timeout=0.6)
         else:
             tx = p.offer("r", [3, 4])

@@ -62,7 +62,7 @@ async def test_push_between_unequal_layouts_lands_every_element(nats_server, cas
             Agent(cfg("rd", nats_server, tp=dst_tp), layout=d_lay,
                   kv_caches=_cache(d_lay, 12, fill=False)) as d:
         await meet(p, d)
-        rx = d.expect("reserved", dst)
+        rx = d.expect("reserved", dst, src=p.instance_id)
         tx = await p.push("reserved", "rd", src, tokens=tokens)
         tx.all_ready()
         with anyio.fail_after(20):
@@ -79,7 +79,7 @@ async def test_push_between_unequal_layouts_lands_every_element(nats_server, cas
         with anyio.fail_after(20):
             while d.statistics().staged_transfers == 0:
                 await anyio.sleep(0.02)
-        rx = d.expect("staged", dst)
+        rx = d.expect("staged", dst, src=p.instance_id)
         with anyio.fail_after(20):
             assert (await rx.result()).ok
         _same(p, d, src, dst, tokens, heads)

@@ -343,12 +343,14 @@ def _move(w: Workers, case: Case, names: list[str], dst_name: str) -> tuple[Any,
     else:
         staged = case.kind == "push-staged"
         if not staged:
-            w.ask("dst", "expect", request_id=rid, blocks=list(case.dst_blocks), staged=False)
+            w.ask("dst", "expect", request_id=rid, blocks=list(case.dst_blocks), staged=False,
+                  src=named[0])
         w.ask("src", "push", request_id=rid, src=named[0], dst=dst_name,
               blocks=list(case.src_blocks[case.sources[0]]), tokens=case.tokens,
               mode=case.mode)
         if staged:
-            w.ask("dst", "expect", request_id=rid, blocks=list(case.dst_blocks), staged=True)
+            w.ask("dst", "expect", request_id=rid, blocks=list(case.dst_blocks), staged=True,
+                  src=named[0])
         got = w.ask("dst", "received")
     return got, w.ask("src", "results")
 

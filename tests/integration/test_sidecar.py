@@ -79,7 +79,7 @@ async def test_transfer_through_two_sidecars_is_bit_exact(sidecars):
         await d.register_kv(lay, dst)
         for rid, sb, db, mode in (("scattered", [3, 17, 5], [30, 2, 11], "pipelined"),
                                   ("runs", [4, 5, 6], [20, 21, 22], "eager")):
-            rx = await d.expect(rid, db)
+            rx = await d.expect(rid, db, src="sc-p")
             tx = await p.push(rid, "sc-d", sb, mode=mode)
             for layer in range(lay.num_layers):
                 tx.layer_ready(layer)
@@ -113,7 +113,7 @@ async def test_push_timeout_reaches_the_sidecar(sidecars):
         for bad in (math.nan, math.inf, -1.0):
             with pytest.raises(ConfigError, match="timeout"):
                 await p.push("never", "sc-td", [1], timeout=bad)
-        rx = await d.expect("late", [2])
+        rx = await d.expect("late", [2], src="sc-tp")
         tx = await p.push("late", "sc-td", [1], timeout=0.5)  # no layer is ever marked ready
         t0 = anyio.current_time()
         with anyio.fail_after(20), pytest.raises(TransferError):
@@ -136,12 +136,12 @@ async def test_agent_errors_arrive_with_their_fields(sidecars):
     dst = SharedKV.create(lay, 8)
     async with Client.connect(dsock) as d:
         await d.register_kv(lay, dst)
-        await d.expect("twice", [1])
+        await d.expect("twice", [1], src="prefill")
         with pytest.raises(DuplicateRequestError) as dup:
-            await d.expect("twice", [2])
+            await d.expect("twice", [2], src="prefill")
         assert dup.value.request_id == "twice"
         with pytest.raises(InvalidBlockError) as bad:
-            await d.expect("outside", [3, 99])
+            await d.expect("outside", [3, 99], src="prefill")
         assert 99 in bad.value.block_ids
 
 
@@ -202,7 +202,7 @@ async def test_engine_killed_mid_transfer_releases_everything(sidecars, nats_ser
     cfg = AgentConfig(instance_id="eng-peer", nats_url=nats_server.url, heartbeat_s=0.25,
                       peer_timeout_s=1.0, request_timeout_s=1.0)
     async with Agent(cfg, layout=lay, kv_caches=cache(lay, 16, fill=False)) as peer:
-        rx = peer.expect("r-eng", [7, 8, 9])
+        rx = peer.expect("r-eng", [7, 8, 9], src="sc-eng")
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         engine = ctx.Process(target=_engine_that_hangs, args=(sock, msgspec.msgpack.encode(lay), q))
@@ -233,13 +233,13 @@ async def test_sidecar_killed_gives_a_clear_error(sidecars):
     shared = SharedKV.create(lay, 8)
     async with Client.connect(sock) as client:
         await client.register_kv(lay, shared)
-        handle = await client.expect("r", [1, 2])
+        handle = await client.expect("r", [1, 2], src="prefill")
         proc.kill()
         with anyio.fail_after(10):
             with pytest.raises(TransferError, match="sidecar lost"):
                 await handle.wait()
             with pytest.raises(SidecarLostError):
-                await client.expect("r2", [3])
+                await client.expect("r2", [3], src="prefill")
 
 
 async def test_no_sidecar_is_a_clear_error(tmp_path):
@@ -274,7 +274,7 @@ def test_blocking_client_fast_path(sidecars, nats_server):
     with BlockingClient(psock) as p, BlockingClient(dsock) as d:
         p.register_kv(lay, src)
         d.register_kv(lay, dst)
-        rx = d.expect("b", [1, 5])
+        rx = d.expect("b", [1, 5], src="bl-p")
         tx = p.push("b", "bl-d", [2, 9])
         for layer in range(lay.num_layers):
             tx.layer_ready(layer)
@@ -292,7 +292,7 @@ async def test_sigterm_aborts_in_flight_transfers_and_exits_cleanly(sidecars, na
     cfg = AgentConfig(instance_id="term-peer", nats_url=nats_server.url, heartbeat_s=0.25,
                       peer_timeout_s=1.0, request_timeout_s=1.0)
     async with Agent(cfg, layout=lay, kv_caches=cache(lay, 16, fill=False)) as peer:
-        rx = peer.expect("r-term", [7, 8])
+        rx = peer.expect("r-term", [7, 8], src="sc-term")
         shared = SharedKV.create(lay, 16)
         async with Client.connect(sock) as client:
             await client.register_kv(lay, shared)

@@ -61,7 +61,7 @@ async def test_between_two_split_pools(nats_server, codec):
     async with Agent(cfg("sp", nats_server), layout=lay, kv_caches=_pool(lay, seed=1)) as p, \
             Agent(cfg("sd", nats_server), layout=lay, kv_caches=_pool(lay, seed=None)) as d:
         await meet(p, d)
-        rx = d.expect("r", dst)
+        rx = d.expect("r", dst, src=p.instance_id)
         tx = await p.push("r", "sd", src, codec=codec)
         tx.all_ready()
         with anyio.fail_after(20):
@@ -73,7 +73,7 @@ async def test_between_two_split_pools(nats_server, codec):
                 Agent(cfg("nd", nats_server), layout=nhd,
                       kv_caches=[torch.zeros_like(t) for t in ref_src]) as nd:
             await meet(p, d, np_, nd)
-            rx2 = nd.expect("r", dst)
+            rx2 = nd.expect("r", dst, src=np_.instance_id)
             tx2 = await np_.push("r", "nd", src, codec=codec)
             tx2.all_ready()
             with anyio.fail_after(20):

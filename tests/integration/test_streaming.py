@@ -82,7 +82,7 @@ async def _get(q, timeout=30.0):
 async def test_killed_decode_agent_fails_the_push(nats_server):
     lay = small_layout(layers=6)
     proc, q = _spawn(decode_peer, msgspec.msgpack.encode(lay), nats_server.url, "r-kill",
-                     [3, 9, 4])
+                     [3, 9, 4], "p-kill")
     try:
         assert await _get(q) == "ready"
         async with Agent(cfg("p-kill", nats_server), layout=lay,
@@ -109,7 +109,7 @@ async def test_killed_prefill_agent_fails_the_receive(nats_server):
     lay = small_layout(layers=6)
     async with Agent(cfg("d-kill", nats_server), layout=lay,
                      kv_caches=cache(lay, 16, fill=False)) as d:
-        handle = d.expect("r-pkill", [0, 1, 2])
+        handle = d.expect("r-pkill", [0, 1, 2], src="peer-prefill")
         proc, q = _spawn(prefill_peer, msgspec.msgpack.encode(lay), nats_server.url, "r-pkill",
                          "d-kill", [4, 8, 12], 2)
         try:
@@ -133,8 +133,8 @@ async def test_invalid_block_ids_are_rejected_before_any_byte_moves(nats_server)
     lay = small_layout()
     async with agent_pair(nats_server, "p-bad", "d-bad", lay, 8) as (p, d):
         with pytest.raises(InvalidBlockError):
-            d.expect("r0", [1, 8])  # 8 is past the end
-        handle = d.expect("r1", [1, 2, 3])
+            d.expect("r0", [1, 8], src=p.instance_id)  # 8 is past the end
+        handle = d.expect("r1", [1, 2, 3], src=p.instance_id)
         with pytest.raises(InvalidBlockError):
             await p.push("r1", "d-bad", [1, 2, 99])  # source side
         with pytest.raises(InvalidBlockError):
@@ -156,7 +156,7 @@ async def test_layout_mismatch_is_refused(nats_server):
     async with Agent(cfg("p-lay", nats_server), layout=lay, kv_caches=cache(lay, 8, fill=True)) as p, \
             Agent(cfg("d-lay", nats_server), layout=other,
                   kv_caches=cache(other, 8, fill=False)) as d:
-        d.expect("r", [0, 1])
+        d.expect("r", [0, 1], src=p.instance_id)
         with anyio.fail_after(10):
             while not p.peers():
                 await anyio.sleep(0.02)
@@ -183,7 +183,7 @@ async def test_malformed_control_message_is_survived(nats_server):
         finally:
             await nc.close()
         # ... and it keeps serving: a real transfer still lands bit for bit.
-        rx = d.expect("r", [4, 2])
+        rx = d.expect("r", [4, 2], src=p.instance_id)
         tx = await p.push("r", "d-mal", [0, 6])
         tx.all_ready()
         with anyio.fail_after(10):
@@ -203,7 +203,7 @@ async def test_malformed_control_message_is_survived(nats_server):
 async def test_abort_mid_push_releases_both_sides(nats_server, who):
     lay = small_layout(layers=8)
     async with agent_pair(nats_server, f"p-ab-{who}", f"d-ab-{who}", lay, 16) as (p, d):
-        rx = d.expect("r", [9, 3, 5])
+        rx = d.expect("r", [9, 3, 5], src=p.instance_id)
         tx = await p.push("r", f"d-ab-{who}", [1, 2, 4])
         tx.layer_ready(0)
         tx.layer_ready(1)
@@ -262,7 +262,8 @@ async def test_push_before_reservation_is_staged_then_claimed(nats_server, claim
                 await anyio.sleep(0.01)
         assert d.statistics().staged_transfers == 1
         assert d.statistics().staging_bytes_in_use > 0
-        rx = d.expect("early", [0, 9, 4])  # the engine reserves: staged layers move in
+        # the engine reserves: staged layers move in
+        rx = d.expect("early", [0, 9, 4], src=p.instance_id)
         tx.all_ready()
         with anyio.fail_after(10):
             await rx.wait()
@@ -295,19 +296,24 @@ async def test_unclaimed_staged_push_is_dropped_and_counted(nats_server):
 async def test_full_staging_pool_gives_bounded_backpressure(nats_server):
     lay = small_layout()
     one_push = lay.num_layers * (_layer_bytes(lay, 2) + 512)
+    # The whole pool may go to pushes nobody reserved for (by default only half may, and
+    # an eighth per sender: this one would never be staged).
+    unbounded = dict(unsolicited_staging_share=1.0, unsolicited_sender_share=1.0)
     async with agent_pair(nats_server, "p-full", "d-full", lay, 8, p_kw=dict(staging_wait_s=0.6),
-                          d_kw=dict(staging_bytes=one_push)) as (p, d):
+                          d_kw=dict(staging_bytes=one_push, **unbounded)) as (p, d):
         first = await p.push("a", "d-full", [1, 5])
         first.all_ready()
         t = time.monotonic()
         with pytest.raises(TransferError, match="busy"):
             await p.push("b", "d-full", [2, 6])  # no room to stage it: waits, then gives up
-        assert 0.5 < time.monotonic() - t < 15  # it waited, boundedly
-        d.expect("a", [0, 3])  # claiming the first frees the pool ...
+        # It waited, boundedly: the retries stop before a back-off would pass
+        # staging_wait_s, so at least 0.6 s less one back-off (at most 0.25 + 0.01 s).
+        assert 0.6 - 0.26 <= time.monotonic() - t < 15
+        d.expect("a", [0, 3], src=p.instance_id)  # claiming the first frees the pool ...
 
         async def claim_later() -> None:
             await anyio.sleep(0.2)
-            rx = d.expect("c", [4, 7])
+            rx = d.expect("c", [4, 7], src=p.instance_id)
             await rx.wait()
 
         async with anyio.create_task_group() as tg:
@@ -330,8 +336,9 @@ async def test_staged_push_with_promised_contiguous_blocks(nats_server):
         with anyio.fail_after(10):
             assert (await tx.wait()).ok  # all staged
         with pytest.raises(InvalidBlockError):
-            d.expect("promised", [4, 5, 7])  # not what was promised: refused, still staged
-        rx = d.expect("promised", [4, 5, 6])
+            # not what was promised: refused, still staged
+            d.expect("promised", [4, 5, 7], src=p.instance_id)
+        rx = d.expect("promised", [4, 5, 6], src=p.instance_id)
         with anyio.fail_after(10):
             await rx.wait()
         for layer in range(lay.num_layers):
@@ -357,7 +364,7 @@ async def test_a_staged_push_is_not_claimed_over_blocks_the_engine_has(nats_serv
             while not d.statistics().staged_transfers:
                 await anyio.sleep(0.02)
         with pytest.raises(InvalidBlockError, match="cannot skip"):
-            d.expect("cached", [3, 4], have=hashes[:1])
+            d.expect("cached", [3, 4], have=hashes[:1], src=p.instance_id)
         await settle(d)
         s = d.statistics()
         assert (s.staged_transfers, s.staging_bytes_in_use) == (0, 0)
@@ -383,7 +390,8 @@ async def test_an_abort_that_overtakes_the_answer_to_a_push_ends_the_push(nats_s
         async def answer_late(msg, headers=None):
             reply = await admit(msg, headers)  # staged: no reservation yet
             with pytest.raises(InvalidBlockError, match="cannot skip"):
-                d.expect(msg.request_id, [3, 4], have=hashes[:1])  # dropped; the sender told
+                # dropped; the sender told
+                d.expect(msg.request_id, [3, 4], have=hashes[:1], src=p.instance_id)
             await anyio.sleep(0.5)  # the Abort is answered before this answer leaves
             return reply
 

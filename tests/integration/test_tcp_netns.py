@@ -43,7 +43,8 @@ async def _receive(host: str) -> None:
     try:
         bufs = [np.zeros(MESSAGE_BYTES, np.uint8) for _ in range(MESSAGES)]
         recvs = [t.post_recv(b, wire.make_tag(XFER, i, wire.KIND_DATA)) for i, b in enumerate(bufs)]
-        print("READY", t.address.decode(), flush=True)
+        # The token goes to the sender as the agent's control plane would carry it.
+        print("READY", t.address.decode(), t.token_for("send").hex(), flush=True)
         with anyio.fail_after(120):
             for r in recvs:
                 await r.wait()
@@ -55,8 +56,9 @@ async def _receive(host: str) -> None:
         await t.close()
 
 
-async def _send(host: str, peer: str) -> None:
+async def _send(host: str, peer: str, token: str) -> None:
     t = await TcpTransport.open(host)
+    t.set_credentials(peer.encode(), "send", bytes.fromhex(token))
     limiter = anyio.Semaphore(4)
 
     async def one(i: int) -> None:
@@ -73,12 +75,13 @@ async def _send(host: str, peer: str) -> None:
 
 
 def _peer_main() -> None:
-    """Entry point of the two child processes: ``recv <host>`` or ``send <host> <peer>``."""
+    """Entry point of the two child processes: ``recv <host>`` or
+    ``send <host> <peer> <token hex>``."""
     role, *rest = sys.argv[1:]
     if role == "recv":
         anyio.run(_receive, rest[0])
     else:
-        anyio.run(_send, rest[0], rest[1])
+        anyio.run(_send, rest[0], rest[1], rest[2])
 
 
 def _child(name: str, *args: str) -> list[str]:
@@ -103,7 +106,7 @@ def test_64_mib_between_two_namespaces(rate_gbit):
             assert recv.stdout is not None
             ready = recv.stdout.readline().split()
             assert ready[:1] == ["READY"] and ready[1].startswith(f"tcp:{pair.b.address}:")
-            send = subprocess.run(_child(pair.a.name, "send", pair.a.address, ready[1]),
+            send = subprocess.run(_child(pair.a.name, "send", pair.a.address, *ready[1:3]),
                                   cwd=ROOT, env=env, timeout=150, check=False)
             out, _ = recv.communicate(timeout=150)
         finally:

@@ -106,7 +106,7 @@ async def main(url, d):
         async with Client.connect(f"{d}/tsp.sock") as p, Client.connect(f"{d}/tsd.sock") as dd:
             await p.register_kv(lay, kp)
             await dd.register_kv(lay, kd)
-            rx = await dd.expect("r", [0, 1])
+            rx = await dd.expect("r", [0, 1], src="tsp")
             with trace.get_tracer("engine").start_as_current_span("engine.request"):
                 tx = await p.push("r", "tsd", [2, 3])  # the span crosses the local socket
             tx.all_ready()

@@ -29,7 +29,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstream._exceptions import CapacityError, DuplicateRequestError
-from kvstream.engine.book import Action, Book, Entry, Finish, Kind, LoseLease, Renew, Stop, TellKeeper
+from kvstream.engine.book import (
+    Action,
+    Book,
+    Entry,
+    Finish,
+    Held,
+    Kind,
+    LoseLease,
+    Renew,
+    Stop,
+    TellKeeper,
+)
 from kvstream.transfer.state import EndCause, TransferState
 
 S = TransferState
@@ -89,11 +100,14 @@ class BookMachine(RuleBasedStateMachine):
 
     @initialize(max_transfers=st.integers(2, 8), res=st.sampled_from([1.0, 5.0]),
                 xfer=st.sampled_from([2.0, 10.0]), lease=st.sampled_from([1.0, 4.0]),
-                every=st.sampled_from([0.25, 0.5, 1.0]))
-    def setup(self, max_transfers: int, res: float, xfer: float, lease: float, every: float) -> None:
+                every=st.sampled_from([0.25, 0.5, 1.0]), max_staged=st.integers(1, 4),
+                per_peer=st.integers(1, 3))
+    def setup(self, max_transfers: int, res: float, xfer: float, lease: float, every: float,
+              max_staged: int, per_peer: int) -> None:
         self.max = max_transfers
         self.book = Book(max_transfers=max_transfers, reservation_timeout_s=res,
-                         transfer_timeout_s=xfer, lease_s=lease, renew_every=every)
+                         transfer_timeout_s=xfer, lease_s=lease, renew_every=every,
+                         max_staged=max_staged, max_staged_per_peer=per_peer)
         self.ready = True
 
     # -- helpers -------------------------------------------------------------------------
@@ -116,7 +130,12 @@ class BookMachine(RuleBasedStateMachine):
         return [e for e in self.entries if e not in self.finished_model and e not in self.ended]
 
     def active(self) -> int:
-        return sum(e.kind is not Kind.LEASE for e in self.live())
+        """What counts against ``max_transfers``: staged pushes count apart."""
+        return sum(e.kind not in (Kind.LEASE, Kind.STAGED) for e in self.live())
+
+    def staged(self, peer: str | None = None) -> list[Entry]:
+        return [e for e in self.live()
+                if e.kind is Kind.STAGED and (peer is None or e.peer == peer)]
 
     def held(self, kinds: tuple[Kind, ...], keyed: bool = False) -> set[Any]:
         return {(e.peer, e.request_id) if keyed else e.request_id
@@ -176,10 +195,12 @@ class BookMachine(RuleBasedStateMachine):
                 assert e.kind is not Kind.LEASE and not e.streaming
                 self.finish(e, a.state)
 
-    def opening(self, fn: Callable[[], Entry], *, dup: bool, counts: bool = True) -> Entry | None:
+    def opening(self, fn: Callable[[], Entry], *, dup: bool, counts: bool = True,
+                full: bool | None = None) -> Entry | None:
         """Open an entry, expecting DuplicateRequestError / CapacityError where due."""
         live_before = set(self.book.live)
-        full = counts and self.active() >= self.max
+        if full is None:
+            full = counts and self.active() >= self.max
         if dup or full:
             errors: Any = (DuplicateRequestError, CapacityError) if dup and full else (
                 DuplicateRequestError if dup else CapacityError)
@@ -206,7 +227,10 @@ class BookMachine(RuleBasedStateMachine):
     def stage(self, rid: str, peer: str, promised: list[int]) -> None:
         dup = rid in self.held(RECV_KINDS)
         tid = self.new_tid()
-        e = self.opening(lambda: self.book.stage(rid, tid, peer, self.now, promised), dup=dup)
+        full = len(self.staged()) >= self.book.max_staged or \
+            len(self.staged(peer)) >= self.book.max_staged_per_peer
+        e = self.opening(lambda: self.book.stage(rid, tid, peer, self.now, promised,
+                                                 nbytes=len(promised) + 1), dup=dup, full=full)
         if e is not None:
             assert e.kind is Kind.STAGED and e.promised == promised and e.peer == peer
             assert e.claim_by == self.now + self.book.reservation_timeout_s
@@ -254,6 +278,11 @@ class BookMachine(RuleBasedStateMachine):
         e = choose(self.bindable(), i)
         if e.kind is Kind.STAGED:  # the engine claims the push that landed: same transfer
             tid, peer = e.transfer_id, e.peer
+            if self.active() >= self.max:  # claimed, it counts against max_transfers
+                with pytest.raises(CapacityError):
+                    self.book.bind(e, tid, peer)
+                assert e.kind is Kind.STAGED and self.book.receiving[e.request_id] is e
+                return
         else:
             tid = self.new_tid()
         self.book.bind(e, tid, peer)
@@ -618,7 +647,14 @@ class BookMachine(RuleBasedStateMachine):
             e.kind is not Kind.LEASE for e in self.finished_model)
         assert counts["staged_dropped"] == self.staged_dropped
         assert counts["renewals_sent"] == self.renewals_sent
-        assert b.active == sum(e.kind is not Kind.LEASE for e in live) <= self.max
+        assert b.active == self.active() <= self.max
+        staged = self.staged()
+        assert len(staged) <= b.max_staged
+        assert b.unsolicited() == Held(len(staged), sum(e.staged_bytes for e in staged))
+        for peer in PEERS:
+            mine = self.staged(peer)
+            assert len(mine) <= b.max_staged_per_peer
+            assert b.unsolicited(peer) == Held(len(mine), sum(e.staged_bytes for e in mine))
         nd = b.next_deadline()
         needed: set[str] = set()
         for e in self.open_live():
@@ -689,12 +725,14 @@ def test_staged_push_unclaimed_past_reservation_timeout_is_timed_out_and_dropped
 
 def test_streaming_staged_push_unclaimed_is_stopped() -> None:
     book = make()
-    e = book.stage("r", "t1", "src", 0.0)
+    e = book.stage("r", "t1", "src", 0.0, nbytes=100)
     book.streaming(e, "t1", 0.0, None)
     [stop] = book.tick(6.0, everyone, why)
     assert isinstance(stop, Stop) and stop.state is S.TIMED_OUT and book.counts["staged_dropped"] == 1
-    assert e in book.live and book.active == 1
+    # Until its stream has stopped it still holds its buffers: counted, apart from max_transfers.
+    assert e in book.live and book.active == 0 and book.unsolicited("src") == Held(1, 100)
     assert book.finished(e, S.TIMED_OUT) and not book.live
+    assert book.unsolicited() == book.unsolicited("src") == Held()
 
 
 def test_claimed_staged_push_is_not_dropped() -> None:
@@ -888,7 +926,7 @@ def test_no_renewals_for_a_source_nothing_is_kept_at() -> None:
 
 @pytest.mark.parametrize("opener", ["reserve", "stage", "offer", "pull", "keep"])
 def test_duplicate_request_refused_while_live_allowed_once_ending(opener: str) -> None:
-    book = make()
+    book = make(max_staged_per_peer=2)  # the ending staged push holds its sender's first
     opens: dict[str, Callable[[], Entry]] = {
         "reserve": lambda: book.reserve("r", 0.0),
         "stage": lambda: book.stage("r", "t", "src", 0.0),

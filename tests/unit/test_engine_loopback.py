@@ -83,7 +83,7 @@ async def _at_rest(*agents: Agent) -> None:
 @pytest.mark.parametrize("src,dst", [([1, 5, 9], [2, 3, 11]), ([4, 5, 6], [8, 9, 10])])
 async def test_push_every_mode_lands_exact_bytes(mode, src, dst):
     async with _pair() as (p, d, fabric):
-        rx = d.expect("r", dst)
+        rx = d.expect("r", dst, src=p.instance_id)
         tx = await p.push("r", "d", src, dst_blocks=dst, mode=mode)
         for layer in range(4):
             tx.layer_ready(layer)
@@ -103,7 +103,7 @@ async def test_push_before_expect_is_staged_then_claimed():
         with anyio.fail_after(5):
             while d.statistics().staged_transfers == 0:
                 await anyio.sleep(0.01)
-        rx = d.expect("r", [7, 3])
+        rx = d.expect("r", [7, 3], src=p.instance_id)
         with anyio.fail_after(5):
             await rx.wait()
             await tx.wait()
@@ -160,7 +160,7 @@ async def test_unrenewed_offer_expires_on_time():
 @pytest.mark.parametrize("who", ["sender", "receiver"])
 async def test_abort_mid_push_releases_everything(who):
     async with _pair() as (p, d, _):
-        rx = d.expect("r", [1, 3, 5])  # scattered: staging buffers on both sides
+        rx = d.expect("r", [1, 3, 5], src=p.instance_id)  # scattered: staging buffers on both sides
         tx = await p.push("r", "d", [2, 4, 6], mode="pipelined")
         tx.layer_ready(0)
         tx.layer_ready(1)
@@ -197,7 +197,7 @@ async def test_abort_mid_lazy_pull_releases_the_offer():
 
 async def test_deadline_ends_a_stalled_push_on_both_sides():
     async with _pair() as (p, d, _):
-        rx = d.expect("r", [1])
+        rx = d.expect("r", [1], src=p.instance_id)
         tx = await p.push("r", "d", [1], timeout=0.3)  # no layer ever ready
         with anyio.fail_after(5):
             sent, got = await tx.result(), await rx.result()
@@ -210,7 +210,7 @@ async def test_deadline_ends_a_stalled_push_on_both_sides():
 
 async def test_dead_peer_fails_its_transfers_and_frees_them():
     async with _pair() as (p, d, fabric):
-        rx = d.expect("r", [1, 2])
+        rx = d.expect("r", [1, 2], src=p.instance_id)
         tx = await p.push("r", "d", [1, 2])
         tx.layer_ready(0)
         with anyio.fail_after(5):
@@ -237,7 +237,7 @@ async def test_shutdown_mid_transfer_ends_everything_once():
                              control=await hub.connect("d"),
                              transport=LoopbackTransport(fabric)) as d:
                 await _meet(p, d)
-                rx = d.expect("r", [1, 2])
+                rx = d.expect("r", [1, 2], src=p.instance_id)
                 tx = await p.push("r", "d", [1, 2])
                 held = p.offer("o", [5])
                 tx.layer_ready(0)
@@ -256,12 +256,12 @@ async def test_duplicates_and_capacity_are_distinct_errors():
     from kvstream import CapacityError
 
     async with _pair(d_kw={"max_transfers": 2}) as (p, d, _):
-        d.expect("a", [1])
+        d.expect("a", [1], src=p.instance_id)
         with pytest.raises(DuplicateRequestError):
-            d.expect("a", [2])
-        d.expect("b", [2])
+            d.expect("a", [2], src=p.instance_id)
+        d.expect("b", [2], src=p.instance_id)
         with pytest.raises(CapacityError):
-            d.expect("c", [3])
+            d.expect("c", [3], src=p.instance_id)
         p.offer("x", [1])
         with pytest.raises(DuplicateRequestError):
             p.offer("x", [2])
@@ -277,7 +277,7 @@ async def test_given_ports_mean_no_nats_and_no_ucx(monkeypatch):
     monkeypatch.setattr(agent_module, "open_control", refuse)
     monkeypatch.setattr(agent_module, "open_transport", refuse)
     async with _pair() as (p, d, _):
-        rx = d.expect("r", [1])
+        rx = d.expect("r", [1], src=p.instance_id)
         tx = await p.push("r", "d", [2], mode="eager")
         tx.all_ready()
         with anyio.fail_after(5):

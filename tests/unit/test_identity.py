@@ -8,6 +8,7 @@ import pytest
 
 from kvstream.control import messages as m
 from kvstream.control.identity import (
+    BOX,
     FROM,
     KEY,
     SENDER,
@@ -96,15 +97,43 @@ def test_open_sealed_says_whether_the_key_was_announced():
 def test_a_seal_counts_what_it_refuses_and_hands_the_checked_sender():
     reg = Registry(peer_timeout_s=1.0)
     seal = Seal()
-    assert seal.incoming("s", b"x", {SENDER: "forged"}) == {SUBJECT: "s"}  # off: no SENDER
+    assert seal.incoming("s", b"x", {SENDER: "forged"}) == (b"x", {SUBJECT: "s"})  # off
     seal.trust = reg.bind_key
     signed = Identity("p").seal("s", b"x")
-    assert seal.incoming("s", b"x", signed)[SENDER] == "p"
+    opened = seal.incoming("s", b"x", signed)
+    assert opened is not None and opened[1][SENDER] == "p"
     assert seal.incoming("s", b"x", {SENDER: "p"}) is None and seal.forged == 1
     assert seal.incoming("s", b"x", Identity("p").seal("s", b"x")) is None  # another key
     assert seal.forged == 2
     assert not seal.reply_from("s", b"x", signed, peer="q")  # a reply by the wrong peer
     assert seal.reply_from("s", b"x", signed, peer="p")
+
+
+def test_a_boxed_message_opens_only_for_its_recipient_and_proves_its_sender():
+    p, d, x = Identity("p"), Identity("d"), Identity("x")
+    assert p.pair_key(d.public_key) == d.pair_key(p.public_key) != p.pair_key(x.public_key)
+    assert p.pair_key(b"\0" * 31 + b"\x80") is None  # no curve point: refused, not raised
+    data, headers = p.box("kvs.n.inst.d.ctl", b"secret", "d", d.public_key)
+    assert b"secret" not in data and BOX in headers and SIG not in headers
+    reg = Registry(peer_timeout_s=1.0)
+    seal = Seal()
+    seal.identity, seal.trust = d, reg.bind_key
+    opened = seal.incoming("kvs.n.inst.d.ctl", data, headers)
+    assert opened is not None and opened[0] == b"secret" and opened[1][SENDER] == "p"
+    # Another subject, a flipped bit, another claimed sender, another recipient: refused.
+    assert seal.incoming("kvs.n.inst.e.ctl", data, headers) is None
+    assert seal.incoming("kvs.n.inst.d.ctl", data[:-1] + bytes([data[-1] ^ 1]), headers) is None
+    assert seal.incoming("kvs.n.inst.d.ctl", data, {**headers, FROM: "q"}) is None
+    other = Seal()
+    other.identity, other.trust = x, Registry(peer_timeout_s=1.0).bind_key
+    assert other.incoming("kvs.n.inst.d.ctl", data, headers) is None
+    # An insider boxing under its own key while naming p: p's key is bound, so refused.
+    forged, fh = x.box("kvs.n.inst.d.ctl", b"evil", "d", d.public_key)
+    assert seal.incoming("kvs.n.inst.d.ctl", forged, {**fh, FROM: "p"}) is None
+    assert seal.forged == 4 and other.forged == 1
+    # A bus with no identity cannot open what is boxed: refused, counted.
+    blind = Seal()
+    assert blind.incoming("kvs.n.inst.d.ctl", data, headers) is None and blind.forged == 1
 
 
 async def test_the_memory_bus_signs_and_refuses_like_nats():

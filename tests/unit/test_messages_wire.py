@@ -49,9 +49,10 @@ def test_tags_are_stable():
                     "Renew": "kv.renew", "RenewAck": "kv.renew_ack"}
 
 
-def test_v1_peers_are_refused_clearly():
-    # Bytes as a protocol-1 peer sends them (recorded). Version 2 signs every message and
-    # widens the data-plane tags: a version-1 peer is refused with a clear reason.
+def test_older_peers_are_refused_clearly():
+    # Bytes as a protocol-1 peer sends them (recorded). Version 2 signed every message;
+    # version 3 boxes what goes to one peer and MACs data-plane frames: older peers are
+    # refused with a clear reason.
     old = bytes.fromhex("83a26f70a76b762e646f6e65a17601ab7472616e736665725f6964a174")
     raw = msgspec.msgpack.decode(old)
     assert raw == {"op": "kv.done", "v": 1, "transfer_id": "t"}
@@ -59,11 +60,14 @@ def test_v1_peers_are_refused_clearly():
     with pytest.raises(MessageDecodeError, match="protocol version 1 is older"):
         m.decode(full)
     v2 = msgspec.msgpack.encode({**raw, "v": 2, "request_id": "r", "status": "aborted"})
-    assert m.decode(v2) == m.Done(transfer_id="t", request_id="r", status="aborted")
+    with pytest.raises(MessageDecodeError, match="protocol version 2 is older"):
+        m.decode(v2)
+    v3 = msgspec.msgpack.encode({**raw, "v": 3, "request_id": "r", "status": "aborted"})
+    assert m.decode(v3) == m.Done(transfer_id="t", request_id="r", status="aborted")
 
 
 def test_unknown_fields_are_ignored():
-    data = msgspec.msgpack.encode({"op": "kv.leave", "v": 2, "instance_id": "a", "future": [1]})
+    data = msgspec.msgpack.encode({"op": "kv.leave", "v": 3, "instance_id": "a", "future": [1]})
     assert m.decode(data) == m.Leave(instance_id="a")
 
 

@@ -122,7 +122,7 @@ def test_endpoint_travels_in_the_announcement_and_older_fields_default():
     assert AgentConfig(instance_id="a", endpoint="http://10.0.0.5:8100").endpoint
     msg = announce("a", endpoint="https://h/prefix")
     assert m.decode(m.encode(msg)).endpoint == "https://h/prefix"
-    old = msgspec.msgpack.encode({"op": "kv.announce", "v": 2, "instance_id": "a",
+    old = msgspec.msgpack.encode({"op": "kv.announce", "v": 3, "instance_id": "a",
                                   "role": "decode", "worker_address": b""})
     assert m.decode(old).endpoint == ""
 

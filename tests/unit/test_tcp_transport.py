@@ -1,5 +1,6 @@
 """TcpTransport keeps the loopback/UCX tag rules over real sockets on 127.0.0.1, bounds
-what strangers can make it hold, and leaves no thread or fd behind."""
+what strangers can make it hold, and leaves no thread or fd behind. Senders authenticate
+(``_trust``); tests/unit/test_tcp_auth.py tests the handshake itself."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import random
 import socket
 import threading
+import time
 import typing
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -20,7 +22,17 @@ import torch
 from kvstream._exceptions import ConfigError, DataPlaneError, ProtocolError
 from kvstream.dataplane import wire
 from kvstream.dataplane.tcp import TcpLimits, TcpRecv, TcpTransport
-from kvstream.dataplane.tcp_conn import HEADER, MAGIC, check_tcp_address
+from kvstream.dataplane.tcp_conn import (
+    ACCEPTED,
+    AUTH_MAGIC,
+    CHALLENGE,
+    HEADER,
+    HELLO_HEAD,
+    MAGIC,
+    REPLY,
+    check_tcp_address,
+    client_handshake,
+)
 from kvstream.dataplane.transport import PostedReceive, Transport
 from tests.unit.test_loopback_transport import METHODS, _shape
 
@@ -69,10 +81,18 @@ async def _until(cond: Callable[[], bool]) -> None:
             await anyio.sleep(0.005)
 
 
+def _trust(sender: TcpTransport, receiver: TcpTransport, sender_id: str = "a") -> None:
+    """What the agents do over the control plane: the receiver issues, the sender sets."""
+    sender.set_credentials(receiver.address, sender_id, receiver.token_for(sender_id))
+
+
 @contextlib.asynccontextmanager
 async def _pair(**kw: typing.Any) -> AsyncIterator[tuple[TcpTransport, TcpTransport]]:
+    """Two transports, each able to send to the other and to itself."""
     a = await TcpTransport.open("127.0.0.1", **kw)
     b = await TcpTransport.open("127.0.0.1", **kw)
+    for sender, receiver in ((a, b), (b, a), (a, a), (b, b)):
+        _trust(sender, receiver)
     try:
         yield a, b
     finally:
@@ -80,9 +100,53 @@ async def _pair(**kw: typing.Any) -> AsyncIterator[tuple[TcpTransport, TcpTransp
         await b.close()
 
 
-def _raw(address: bytes) -> socket.socket:
+def _raw(address: bytes, source: str = "127.0.0.1") -> socket.socket:
+    """A plain connection, not authenticated: a stranger's."""
     host, port = address.decode()[4:].rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=5)
+    return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+
+
+def _authed(t: TcpTransport, source: str = "127.0.0.1", sender_id: str = "raw") -> socket.socket:
+    """A plain connection that passed ``t``'s handshake: it may write frames by hand."""
+    s = _raw(t.address, source)
+    try:
+        client_handshake(s, t.address, sender_id.encode(), t.token_for(sender_id),
+                         time.monotonic() + 5)
+        s.settimeout(5)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _deaf_server() -> tuple[bytes, Callable[[], None]]:
+    """A peer that passes any hello and then never reads: sends to it block. Returns its
+    address and a function that closes it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # closed: done
+            while True:
+                s, _ = server.accept()
+                held.append(s)
+                s.sendall(CHALLENGE.pack(AUTH_MAGIC, os.urandom(16)))
+                _, n = HELLO_HEAD.unpack(s.recv(HELLO_HEAD.size, socket.MSG_WAITALL))
+                s.recv(n + 32, socket.MSG_WAITALL)
+                s.sendall(REPLY.pack(ACCEPTED))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(5)
+        for s in held:
+            s.close()
+
+    return f"tcp:127.0.0.1:{server.getsockname()[1]}".encode(), close
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -290,9 +354,11 @@ async def test_garbage_connections_do_not_disturb_an_honest_transfer():
             frames = [noise, HEADER.pack(MAGIC ^ 1, 0, _tag(0), 8) + b"x" * 8,
                       HEADER.pack(MAGIC, 0, _tag(0), 1 << 40), HEADER.pack(MAGIC, 1, _tag(0), 0)]
             for frame in frames:  # b may hang up before it has all of it
-                with _raw(b.address) as s, contextlib.suppress(OSError):
+                with _raw(b.address) as s, contextlib.suppress(OSError):  # no hello
                     s.sendall(frame)
-            with _raw(b.address) as s:  # a frame cut short: its receive stays posted
+                with _authed(b) as s, contextlib.suppress(OSError):
+                    s.sendall(frame)
+            with _authed(b) as s:  # a frame cut short: its receive stays posted
                 s.sendall(HEADER.pack(MAGIC, 0, _tag(0, xfer=XFER + 1), 1000) + b"y" * 500)
 
         async with anyio.create_task_group() as tg:
@@ -305,6 +371,7 @@ async def test_garbage_connections_do_not_disturb_an_honest_transfer():
         assert all(np.array_equal(x, y) for x, y in zip(honest, bufs, strict=True))
         # Only a's four lanes stay open, so the cut frame's reader has been through it too.
         await _until(lambda: b.statistics().bad_frames == 4 and b.statistics().connections == 4)
+        assert b.statistics().unauthenticated == 4  # the strangers' never got to a frame
         assert not r_cut.completed  # a reader took it, the frame broke off, it went back
         await a.send(b.address, _msg(1000, 9), _tag(0, xfer=XFER + 1))
         with anyio.fail_after(10):
@@ -314,10 +381,12 @@ async def test_garbage_connections_do_not_disturb_an_honest_transfer():
 
 async def test_accepted_connections_are_bounded():
     async with _pair(limits=TcpLimits(max_connections=2)) as (a, b):
-        socks = [_raw(b.address) for _ in range(4)]
+        socks = [_authed(b) for _ in range(2)]
         try:
-            await _until(lambda: b.statistics().refused == 2)
-            assert b.statistics().connections == 2
+            for _ in range(2):  # authenticated, but no room: told so
+                with pytest.raises(DataPlaneError, match="limit of connections"):
+                    _authed(b)
+            assert b.statistics().refused == 2 and b.statistics().connections == 2
         finally:
             for s in socks:
                 s.close()
@@ -378,6 +447,7 @@ async def test_a_restarted_peer_gets_a_fresh_connection():
     of writing into it (that message would be lost)."""
     async with _pair(lanes=1) as (a, _):
         c = await TcpTransport.open("127.0.0.1")
+        _trust(a, c)
         port = int(c.address.rsplit(b":", 1)[1])
         for value in (1, 2):
             buf = np.zeros(4, np.uint8)
@@ -389,6 +459,10 @@ async def test_a_restarted_peer_gets_a_fresh_connection():
             await c.close()
             if value == 1:
                 c = await TcpTransport.open("127.0.0.1", port)
+                with pytest.raises(DataPlaneError, match="refused our credentials"):
+                    await a.send(c.address, _msg(4, value), _tag(0))  # a new secret
+                assert c.statistics().unauthenticated == 1
+                _trust(a, c)
         with pytest.raises(DataPlaneError, match="cannot connect"):
             await a.send(c.address, _msg(4, 3), _tag(0))
 
@@ -396,8 +470,7 @@ async def test_a_restarted_peer_gets_a_fresh_connection():
 async def test_forget_peer_ends_a_send_the_peer_does_not_read():
     """A peer that takes nothing: a send queued behind the blocked one can be cancelled
     (it is withdrawn unsent, or this would hang), and forget_peer ends the blocked one."""
-    server = socket.create_server(("127.0.0.1", 0))
-    address = f"tcp:127.0.0.1:{server.getsockname()[1]}".encode()
+    address, close_server = _deaf_server()
     errors: list[DataPlaneError] = []
 
     async def send() -> None:
@@ -407,13 +480,14 @@ async def test_forget_peer_ends_a_send_the_peer_does_not_read():
             errors.append(exc)
 
     async with _pair(lanes=1) as (a, _), anyio.create_task_group() as tg:
+        a.set_credentials(address, "a", bytes(32))
         tg.start_soon(send)
         await anyio.sleep(0.2)  # most likely blocked by then; it fails either way
         with anyio.move_on_after(0.2) as scope:
             await a.send(address, _msg(1 << 20, 1), _tag(0))
         assert scope.cancelled_caught
         a.forget_peer(address)
-    server.close()
+    close_server()
     assert len(errors) == 1
 
 
@@ -445,11 +519,12 @@ async def test_close_fails_posted_receives_and_leaks_nothing():
 
 
 async def test_close_ends_a_blocked_send_and_a_cancelled_wait_leaves_the_receive_posted():
-    server = socket.create_server(("127.0.0.1", 0))
-    address = f"tcp:127.0.0.1:{server.getsockname()[1]}".encode()
+    address, close_server = _deaf_server()
     fds = _fds()
     errors: list[DataPlaneError] = []
     a = await TcpTransport.open("127.0.0.1")
+    a.set_credentials(address, "a", bytes(32))
+    _trust(a, a)
 
     async def send() -> None:
         try:
@@ -470,5 +545,5 @@ async def test_close_ends_a_blocked_send_and_a_cancelled_wait_leaves_the_receive
         tg.start_soon(send)
         await anyio.sleep(0.2)
         await a.close()
-    server.close()
+    close_server()
     assert len(errors) == 1 and _fds() == fds - 1  # the server socket is gone too
