@@ -142,10 +142,21 @@ class Attacker:
         self.stop_ev.set()
 
 
+RSS_GROWTH_MB = 50  # what an attack may add to the honest agents' process, at most
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (the honest agents live in it)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 @contextlib.asynccontextmanager
 async def attacker(plan: Plan, *, sees: Sequence[Agent] = ()) -> AsyncIterator[Attacker]:
-    """Started, ready (listening; its insider seen by ``sees``), stopped and reaped."""
+    """Started, ready (listening; its insider seen by ``sees``), stopped and reaped; the
+    honest process grew by less than ``RSS_GROWTH_MB`` meanwhile."""
     a = Attacker(plan)
+    before = rss_mb()
     a.proc.start()
     try:
         await a.next("ready")
@@ -160,6 +171,8 @@ async def attacker(plan: Plan, *, sees: Sequence[Agent] = ()) -> AsyncIterator[A
         if a.proc.is_alive():
             a.proc.kill()
             a.proc.join(5)
+    grew = rss_mb() - before
+    assert grew < RSS_GROWTH_MB, f"the honest agents grew by {grew:.0f} MB under the attack"
 
 
 def plan(nats_server: Any, lay: KVLayout, mode: str, victim: str, rid: str,

@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kvstream import ConfigError, NatsAuth, NatsConnectError, NoPeerError
+from kvstream import ConfigError, KVStreamError, NatsAuth, NatsConnectError, NoPeerError
 from kvstream.control import messages as m
 from kvstream.control.bus import ControlBus
 from kvstream.control.nats_server import EmbeddedNats
@@ -160,7 +160,7 @@ def _permissions(ns: str, users: dict[str, str]) -> str:
 async def test_push_under_per_instance_permissions_and_an_intruder_is_shut_out(certs: Path):
     from kvstream import Agent
 
-    users = {"pp": "pw-p", "dd": "pw-d", "intruder": "pw-x"}
+    users = {"pp": "pw-p", "dd": "pw-d", "intruder": "pw-x", "ins": "pw-i"}
     config = _permissions("default", users) + _tls_config(certs)
     tls = {"tls_ca": str(certs / "ca.pem"), "tls_cert": str(certs / "client.pem"),
            "tls_key": str(certs / "client.key")}
@@ -193,6 +193,26 @@ async def test_push_under_per_instance_permissions_and_an_intruder_is_shut_out(c
                 assert [a.instance_id for a in d.peers()] == ["pp"]
             finally:
                 await intruder.close()
+            # An insider (a permitted agent of its own) pushing first into a reservation
+            # made for pp: refused, and pp's push then lands.
+            async with Agent(cfg("ins", nats, nats_auth=NatsAuth(
+                    user="ins", password="pw-i", **tls)), layout=lay,
+                    kv_caches=cache(lay, 8, fill=True)) as ins:
+                with anyio.fail_after(10):
+                    while not (d.registry.alive("ins") and ins.registry.alive("dd")):
+                        await anyio.sleep(0.02)
+                forbidden = d.statistics().forbidden_requests
+                rx = d.expect("r2", [5, 6], src=p.instance_id)
+                with pytest.raises(KVStreamError, match="expected from pp"):
+                    await ins.push("r2", "dd", [3, 4])
+                assert d.statistics().forbidden_requests == forbidden + 1
+                tx = await p.push("r2", "dd", [3, 4])
+                tx.all_ready()
+                with anyio.fail_after(10):
+                    assert (await rx.wait()).ok and (await tx.wait()).ok
+                assert p.memory is not None and d.memory is not None
+                assert all(p.memory.read_block(i, 3).equal(d.memory.read_block(i, 5))
+                           for i in range(lay.num_layers))
 
 
 def test_the_cli_takes_credentials_from_options_and_the_environment():

@@ -67,8 +67,9 @@ async def test_a_minted_identity_flood_does_not_stop_an_honest_push_or_pull(nats
         assert book.unsolicited() == Held(staged, limit) and d.staging.in_use == limit
         assert all(book.unsolicited(f.instance_id).nbytes <= push_bytes for f in flooders)
         # Counted per answer "busy" (a refused sender retries for its staging_wait_s).
-        assert book.counts["refused_unsolicited"] >= refused
-        assert book.counts["refused_unsolicited_sender"] >= staged  # their second pushes
+        stats = d.statistics()
+        assert stats.refused_unsolicited >= refused
+        assert stats.refused_unsolicited_sender >= staged  # their second pushes
         # The honest pair: a push to a reservation and a pull, both through staging
         # (scattered blocks), well inside the flood's reservation_timeout_s (60 s): they
         # take the half of the pool the flood cannot.
