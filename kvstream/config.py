@@ -87,6 +87,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float = 30.0
     # Layers in flight per transfer (each staged layer holds one staging buffer).
     max_inflight_layers: int = 8
+    # A transfer of at most this many bytes between host memories goes eager and as one
+    # data-plane frame: one header, one credit and one copy job per side, whatever the
+    # layer count (per-layer streaming of a short prompt costs more than it hides).
+    # Larger ones stream layer by layer. 0: always layer by layer. At most a quarter of
+    # staging_bytes counts (a whole frame takes one staging slot of its size).
+    whole_frame_bytes: int = 8 << 20
     max_transfers: int = 1024
     # Wire codec of push() and pull() unless the call names one ("none": bytes verbatim;
     # "int8" or "fp8_e4m3": half the bytes, dequantized here into the engine dtype; int8
@@ -140,6 +146,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("tcp_lanes must be between 1 and 64")
         if self.staging_bytes <= 0 or self.max_inflight_layers < 1 or self.max_transfers < 1:
             raise ConfigError("staging_bytes, max_inflight_layers and max_transfers must be positive")
+        if self.whole_frame_bytes < 0:
+            raise ConfigError("whole_frame_bytes must be 0 or more")
         for name in ("unsolicited_staging_share", "unsolicited_sender_share",
                      "unsolicited_transfers_share"):
             if not 0 < getattr(self, name) <= 1:  # NaN too

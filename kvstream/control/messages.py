@@ -206,6 +206,9 @@ class Manifest(ControlMessage, tag="kv.manifest", frozen=True):
     # An engine's own FP8 cache moves verbatim (codec "none") with its per-layer K/V
     # scales; the destination refuses it unless its own scales are the same.
     cache_scales: Scales = []
+    # Layers per data-plane frame, the sender's choice both ends follow: 1 (each layer
+    # its own header and copy) or num_layers (the whole transfer as one frame).
+    frame_layers: Layers = 1
     # The path of a pull (the puller chose it); a push's destination answers in Accept.
     path: DataPath = "ucx"
     src_host: HostId = ""

@@ -61,6 +61,9 @@ def _offsets(off: Any, what: str) -> np.ndarray:
     return arr
 
 
+_FEW = 64  # offsets checked in Python below this many
+
+
 def check_items(dst_size: int, dst_off: Any, src_size: int, src_off: Any,
                 nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The offsets as contiguous int64 arrays, every item checked: ``0 <= off`` and
@@ -73,8 +76,14 @@ def check_items(dst_size: int, dst_off: Any, src_size: int, src_off: Any,
         raise InvalidBlockError(f"negative item size or buffer size (nbytes {nbytes}, "
                                 f"dst_size {dst_size}, src_size {src_size})")
     for off, size, side in ((d, dst_size, "destination"), (s, src_size, "source")):
-        # min/max first: the common, valid batch costs two reductions and no temporaries.
-        if len(off) and (int(off.min()) < 0 or int(off.max()) > size - nbytes):
+        # min/max first: the common, valid batch costs two reductions and no temporaries
+        # (in Python for a few items, where numpy's per-call cost is the larger one).
+        if len(off) <= _FEW:
+            items = off.tolist()
+            low, high = (min(items), max(items)) if items else (0, 0)
+        else:
+            low, high = int(off.min()), int(off.max())
+        if len(off) and (low < 0 or high > size - nbytes):
             bad = np.flatnonzero((off < 0) | (off > size - nbytes))
             raise InvalidBlockError(
                 f"{len(bad)} items of {nbytes} bytes outside the {side} buffer of {size} bytes "

@@ -20,8 +20,7 @@ from kvstream import telemetry
 from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
 from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv
-from kvstream.memory import run_copy
+from kvstream.dataplane.stream import Stream, StreamEnv, frames_of
 from kvstream.transfer.state import TransferState
 
 if TYPE_CHECKING:
@@ -58,9 +57,11 @@ class RecvStream(Stream):
         t = handle.transfer
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, nblocks)
+        self.frames = frames_of(t.num_layers, t.frame_layers)
         dst_run = handle.blocks is not None and handle.blocks.contiguous_start is not None
-        self.single = source is None and single_for(env.memory, t, src_contiguous, dst_run, path,
-                                                    env.peer_on_cpu(t.peer))
+        # A frame of several layers is always one message [header | payload].
+        self.single = source is None and (t.frame_layers > 1 or single_for(
+            env.memory, t, src_contiguous, dst_run, path, env.peer_on_cpu(t.peer)))
         # Never received straight into engine blocks over a byte stream: a frame whose
         # header was read cannot be drained (UCX's can), so a late one could still write
         # after the transfer ended and the engine reused the blocks. It lands in staging
@@ -83,13 +84,14 @@ class RecvStream(Stream):
     def all_received(self) -> bool:
         return self.received == self.handle.transfer.num_layers
 
-    def _post_layer(self, layer: int, slot: torch.Tensor | None) -> Any:
-        """Post this layer's receives now; returns the buffer its header will land in."""
+    def _post_frame(self, frame: int, slot: torch.Tensor | None) -> Any:
+        """Post this frame's receives now; returns the buffer its header will land in."""
         mem, blocks, transport = self.env.memory, self.handle.blocks, self.env.transport
-        self._posted_ns[layer] = time.time_ns()
+        layer = frame  # what follows is for one layer per frame
+        self._posted_ns[frame] = time.time_ns()
         if self.single:
             assert slot is not None
-            self._posted[layer] = [transport.post_recv(slot, wire.make_tag(self.dst_tag, layer,
+            self._posted[frame] = [transport.post_recv(slot, wire.make_tag(self.dst_tag, frame,
                                                                         wire.KIND_DATA))]
             return slot[:wire.HEADER_CAPACITY].numpy()
         hdr = np.zeros(wire.HEADER_CAPACITY, dtype=np.uint8)
@@ -109,94 +111,114 @@ class RecvStream(Stream):
         self._posted[layer] = posted
         return hdr
 
-    async def _scatter(self, layer: int) -> None:
-        """Staging -> the reserved blocks, then the layer counts as landed."""
+    def _unpack(self, layers: range, blocks: BlockMap, slot: torch.Tensor) -> None:
+        """Scatter (or decode) each layer of a frame out of its place in ``slot`` (on a
+        copy thread: one job per frame)."""
+        mem, lb = self.env.memory, self.layer_bytes
+        for i, layer in enumerate(layers):
+            region = slot[i * lb:(i + 1) * lb]
+            if self.codec is not None:
+                self.codec.decode(layer, blocks, region)
+            else:
+                mem.scatter(layer, blocks, mem.staging_view(region, self.nblocks))
+
+    async def _scatter(self, frame: int) -> None:
+        """Staging -> the reserved blocks, then the frame's layers count as landed."""
         env, h = self.env, self.handle
         assert h.blocks is not None
-        slot = self._slots.get(layer)
+        slot = self._slots.get(frame)
         if slot is not None:
             prefix = wire.HEADER_CAPACITY if self.single else 0
-            if self.codec is not None:
-                await run_copy(self.codec.decode, layer, h.blocks, slot[prefix:])
-            else:
-                view = env.memory.staging_view(slot[prefix:], self.nblocks)
-                await run_copy(env.memory.scatter, layer, h.blocks, view)
-            env.staging.release(self._slots.pop(layer))
-        h.mark_layer(layer)
+            await self._copy(self._unpack, self.frames[frame], h.blocks, slot[prefix:])
+            env.staging.release(self._slots.pop(frame))
+        for layer in self.frames[frame]:
+            h.mark_layer(layer)
         if h.transfer.all_layers_done:
             self._outcome = self._outcome or (TransferState.COMPLETED, "", None)
             self._loop_scope.cancel()
 
-    async def _read_layer(self, layer: int) -> None:
-        """Same host: copy the layer out of the peer's mapped memory, into the reserved
-        blocks, or into its staging slot when there is no reservation yet."""
+    async def _read_frame(self, frame: int) -> None:
+        """Same host: copy the frame's layers out of the peer's mapped memory, into the
+        reserved blocks, or into the frame's staging slot when there is no reservation yet
+        (one copy job)."""
         src, mem, h = self.source, self.env.memory, self.handle
         assert src is not None
-        if h.blocks is not None and layer not in self._slots:
-            tensor = mem.layers[layer]
+        reads: list[tuple[int, int, int, Any]] = []  # layer, address, bytes, offsets
+        if h.blocks is not None and frame not in self._slots:
             if self._dst_off is None:
                 self._dst_off = src.dst_offsets(mem.num_blocks, h.blocks.ids)
-            dst_off = self._dst_off
+            for layer in self.frames[frame]:
+                tensor = mem.layers[layer]
+                reads.append((layer, tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                              self._dst_off))
         else:
-            tensor = self._slots[layer]
+            slot, lb = self._slots[frame], self.layer_bytes
             dst_off = src.dst_offsets(self.nblocks, None)
-        await run_copy(src.copy_layer, layer, tensor.data_ptr(),
-                       tensor.numel() * tensor.element_size(), dst_off,
-                       lambda: self._outcome is None)
+            reads = [(layer, slot[i * lb:].data_ptr(), lb, dst_off)
+                     for i, layer in enumerate(self.frames[frame])]
 
-    async def _land_layer(self, layer: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
+        def read() -> None:
+            for layer, address, nbytes, offsets in reads:
+                src.copy_layer(layer, address, nbytes, offsets, lambda: self._outcome is None)
+
+        await self._copy(read)
+
+    async def _land_frame(self, frame: int, hdr: np.ndarray, limiter: anyio.Semaphore) -> None:
         env, h = self.env, self.handle
+        layers = self.frames[frame]
         span: Span | None = None
         try:
-            for req in self._posted[layer]:
+            for req in self._posted[frame]:
                 await req.wait()
             if self._outcome is not None:
                 return
             header = wire.decode_header(hdr.data)
             if not self.mac.header_ok(header):  # never taken as "layer ready"
                 env.count("forged_frames", 1)
-                raise ProtocolError(f"layer {layer}: its header does not verify (forged?)")
-            want = self.layer_bytes
+                raise ProtocolError(f"frame {frame}: its header does not verify (forged?)")
+            want = self.layer_bytes * len(layers)
             if (header.xfer_tag, header.layer, header.nbytes, header.codec) != \
-                    (self.dst_tag, layer, want, h.transfer.codec):
+                    (self.dst_tag, frame, want, h.transfer.codec):
                 raise ProtocolError(
-                    f"layer {layer}: header says tag {header.xfer_tag:#x} layer {header.layer} "
+                    f"frame {frame}: header says tag {header.xfer_tag:#x} frame {header.layer} "
                     f"{header.nbytes} bytes codec {header.codec}; expected {self.dst_tag:#x}, "
-                    f"{layer}, {want}, {h.transfer.codec}")
-            del self._posted[layer]
+                    f"{frame}, {want}, {h.transfer.codec}")
+            del self._posted[frame]
+            env.count("frames_received", 1)
             if self.source is not None:
-                await self._read_layer(layer)
+                await self._read_frame(frame)
             span = telemetry.layer_span(
-                h.transfer, "kvstream.layer.receive", layer, start_ns=self._posted_ns.get(layer),
+                h.transfer, "kvstream.layer.receive", layers[0],
+                start_ns=self._posted_ns.get(frame),
                 links=telemetry.link_from(header.traceparent), bytes=want,
                 blocks=self.nblocks, codec=h.transfer.codec)
             if span is not None:
                 span.add_event("arrived")
             env.count("bytes_received", want)
-            self.received += 1
+            self.received += len(layers)
             if self.all_received:
                 self.on_received()
             if h.blocks is None:
-                self._staged.add(layer)  # no reservation yet: it waits in staging
+                self._staged.add(frame)  # no reservation yet: it waits in staging
             else:
-                await self._scatter(layer)
+                await self._scatter(frame)
             if self.all_received and not self._done_sent:
                 # The sender may release its blocks now, claimed or not.
                 self._done_sent = True
                 await env.publish_done(self.peer, msgspec.structs.replace(
                     h.transfer.result(), status=TransferState.COMPLETED))
         except Exception as exc:  # torch or UCX trouble ends this transfer, not the agent
-            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
+            self.stop(TransferState.FAILED, f"frame {frame}: {exc}")
         finally:
-            posted = self._posted.get(layer)
+            posted = self._posted.get(frame)
             # A slot with a receive still posted on it is released after the drain; a staged
-            # layer's slot when it is claimed or dropped.
-            if (posted is None or all(r.completed for r in posted)) and layer not in self._staged:
-                slot = self._slots.pop(layer, None)
+            # frame's slot when it is claimed or dropped.
+            if (posted is None or all(r.completed for r in posted)) and frame not in self._staged:
+                slot = self._slots.pop(frame, None)
                 if slot is not None:
                     env.staging.release(slot)
             limiter.release()
-            telemetry.end_layer(span, h.transfer.layers_done[layer] or layer in self._staged)
+            telemetry.end_layer(span, h.transfer.layers_done[layers[-1]] or frame in self._staged)
 
     def claim(self, blocks: BlockMap) -> None:
         """The engine reserved blocks for a push already (partly) staged: move it in."""
@@ -205,26 +227,25 @@ class RecvStream(Stream):
         if self._lands is not None:
             self._lands.start_soon(self._land_staged, staged)
 
-    async def _land_staged(self, layers: list[int]) -> None:
+    async def _land_staged(self, frames: list[int]) -> None:
         try:
-            for layer in layers:
+            for frame in frames:
                 if self._outcome is not None and self._outcome[0] is not TransferState.COMPLETED:
                     return
-                await self._scatter(layer)
+                await self._scatter(frame)
         except Exception as exc:
             self.stop(TransferState.FAILED, f"moving staged layers in: {exc}")
 
     async def _stream(self, lands: anyio.abc.TaskGroup) -> None:
-        env, h, t = self.env, self.handle, self.handle.transfer
+        env, h = self.env, self.handle
         self._lands = lands
         direct = not self.prestaged and h.blocks is not None and self.codec is None and \
-            (h.blocks.contiguous_start is not None or self.source is not None)
-        window = t.num_layers if direct or self.prestaged else env.config.max_inflight_layers
+            (h.blocks.contiguous_start is not None or self.source is not None) and \
+            not self.single
+        frames = self.frames
+        window = len(frames) if direct or self.prestaged else env.config.max_inflight_layers
         limiter = anyio.Semaphore(window)
         credit_tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
-        nbytes = self.layer_bytes
-        if self.single:
-            nbytes += wire.HEADER_CAPACITY
         credited = 0
 
         async def flush_credit(upto: int) -> None:
@@ -235,26 +256,29 @@ class RecvStream(Stream):
                                          credit_tag)
                 credited = upto
 
-        for layer in range(t.num_layers):
-            if h.requested <= layer:  # lazy: post (and credit) a layer once it is asked for
-                await flush_credit(layer)
-                await h.until_requested(layer)
+        for frame, layers in enumerate(frames):
+            if h.requested <= layers[-1]:  # lazy: post (and credit) a layer once asked for
+                await flush_credit(frame)
+                await h.until_requested(layers[-1])
             try:
                 limiter.acquire_nowait()
             except anyio.WouldBlock:
-                await flush_credit(layer)
+                await flush_credit(frame)
                 await limiter.acquire()
-            slot = self._slots.get(layer)
+            slot = self._slots.get(frame)
             if slot is None and not direct:
+                nbytes = self.layer_bytes * len(layers)
+                if self.single:
+                    nbytes += wire.HEADER_CAPACITY
                 try:
                     slot = await env.staging.acquire(nbytes, timeout=env.config.transfer_timeout_s)
                 except BaseException:
                     limiter.release()
                     raise
-                self._slots[layer] = slot
-            hdr = self._post_layer(layer, slot)
-            lands.start_soon(self._land_layer, layer, hdr, limiter)
-        await flush_credit(t.num_layers)
+                self._slots[frame] = slot
+            hdr = self._post_frame(frame, slot)
+            lands.start_soon(self._land_frame, frame, hdr, limiter)
+        await flush_credit(len(frames))
         await anyio.sleep_forever()  # until the last layer lands (or the transfer stops)
 
     async def run(self) -> None:

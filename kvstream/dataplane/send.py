@@ -17,8 +17,7 @@ from kvstream import telemetry
 from kvstream._exceptions import KVStreamError
 from kvstream.dataplane import wire
 from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv
-from kvstream.memory import run_copy
+from kvstream.dataplane.stream import Stream, StreamEnv, frames_of
 from kvstream.transfer.state import TransferState
 
 if TYPE_CHECKING:
@@ -49,9 +48,11 @@ class SendStream(Stream):
         t = handle.transfer
         self.codec = transfer_codec(env.memory, t)
         self.layer_bytes = layer_bytes_of(env.memory, t, len(handle.blocks))
-        self.single = not mapped and single_for(
+        self.frames = frames_of(t.num_layers, t.frame_layers)
+        # A frame of several layers is always one message [header | payload].
+        self.single = not mapped and (t.frame_layers > 1 or single_for(
             env.memory, t, handle.blocks.contiguous_start is not None, dst_contiguous, path,
-            env.peer_on_cpu(t.peer))
+            env.peer_on_cpu(t.peer)))
         # A byte-stream transport sends the blocks where they lie: no gather (unless they
         # are encoded or reshaped on the way).
         self.vectored = self.single and env.transport.vectored and self.codec is None
@@ -86,7 +87,7 @@ class SendStream(Stream):
     async def _credit_loop(self) -> None:
         buf = np.zeros(wire.CREDIT_BYTES, dtype=np.uint8)
         tag = wire.make_tag(self.src_tag, 0, wire.KIND_CREDIT)
-        n = self.handle.transfer.num_layers
+        n = len(self.frames)
         while self.granted < n:
             self._credit_recv = self.env.transport.post_recv(buf, tag)
             try:
@@ -105,12 +106,13 @@ class SendStream(Stream):
             self._credit_changed.set()
             self._credit_changed = anyio.Event()
 
-    async def _send_layer(self, layer: int, parts: list[torch.Tensor], slot: torch.Tensor | None,
+    async def _send_frame(self, frame: int, parts: list[torch.Tensor], slot: torch.Tensor | None,
                           limiter: anyio.Semaphore, span: Span | None = None) -> None:
         env, t = self.env, self.handle.transfer
+        layers = self.frames[frame]
         try:
-            nbytes = self.layer_bytes
-            header = self.mac.header(self.dst_tag, layer, nbytes,
+            nbytes = self.layer_bytes * len(layers)
+            header = self.mac.header(self.dst_tag, frame, nbytes,
                                      1 if self.vectored else len(parts), codec=t.codec,
                                      traceparent=telemetry.traceparent_of(span))
             if self.vectored:
@@ -130,16 +132,29 @@ class SendStream(Stream):
                 if self._outcome is not None:
                     return  # stopped: send nothing more (what our AbortAck promises)
                 await env.transport.send(self.peer_address, buf,
-                                      wire.make_tag(self.dst_tag, layer, kind))
-            t.layer_done(layer)
+                                         wire.make_tag(self.dst_tag, frame, kind))
+            env.count("frames_sent", 1)
+            for layer in layers:
+                t.layer_done(layer)
             env.count("bytes_sent", nbytes)
         except KVStreamError as exc:  # a task error must end this transfer, not the agent
-            self.stop(TransferState.FAILED, f"layer {layer}: {exc}")
+            self.stop(TransferState.FAILED, f"layer {layers[0]}: {exc}")
         finally:
             if slot is not None:
                 env.staging.release(slot)
             limiter.release()
-            telemetry.end_layer(span, t.layers_done[layer])
+            telemetry.end_layer(span, t.layers_done[layers[-1]])
+
+    def _pack(self, layers: range, blocks: Any, slot: torch.Tensor) -> None:
+        """Gather (or encode) each layer of a frame into its place in ``slot`` (on a copy
+        thread: one job per frame)."""
+        mem, lb = self.env.memory, self.layer_bytes
+        for i, layer in enumerate(layers):
+            region = slot[i * lb:(i + 1) * lb]
+            if self.codec is not None:
+                self.codec.encode(layer, blocks, region)
+            else:
+                mem.gather(layer, blocks, mem.staging_view(region, len(blocks)))
 
     async def _stream(self, sends: anyio.abc.TaskGroup) -> None:
         try:
@@ -153,33 +168,36 @@ class SendStream(Stream):
         env, h, t = self.env, self.handle, self.handle.transfer
         mem, blocks = env.memory, h.blocks
         limiter = anyio.Semaphore(env.config.max_inflight_layers)
-        direct = (blocks.contiguous_start is not None or self.mapped) and self.codec is None
+        direct = (blocks.contiguous_start is not None or self.mapped) and self.codec is None \
+            and not self.single
         prefix = wire.HEADER_CAPACITY if self.single else 0
-        for layer in range(t.num_layers):
-            await h.until_sendable(layer)
-            while self.granted <= layer:
+        for frame, layers in enumerate(self.frames):
+            await h.until_sendable(layers[-1])
+            for layer in layers[:-1]:  # pipelined: every layer of the frame
+                await h.until_sendable(layer)
+            while self.granted <= frame:
                 await self._credit_changed.wait()
             await limiter.acquire()
             slot = None
-            span = telemetry.layer_span(t, "kvstream.layer.send", layer, bytes=self.layer_bytes,
+            nbytes = self.layer_bytes * len(layers)
+            span = telemetry.layer_span(t, "kvstream.layer.send", layers[0], bytes=nbytes,
                                         blocks=len(blocks), codec=t.codec)
             try:
                 if self.mapped:
                     parts = []  # the peer reads them
                 elif self.vectored:
-                    parts = mem.rows(layer, blocks)
+                    parts = [row for layer in layers for row in mem.rows(layer, blocks)]
                 elif direct:
-                    runs = [mem.direct_run(layer, p, blocks) for p in range(mem.planes)]
+                    runs = [mem.direct_run(layers[0], p, blocks) for p in range(mem.planes)]
                     parts = [run for run in runs if run is not None]  # all: the run is direct
                 else:
-                    slot = await env.staging.acquire(prefix + self.layer_bytes,
+                    slot = await env.staging.acquire(prefix + nbytes,
                                                      timeout=env.config.transfer_timeout_s)
-                    if self.codec is not None:
-                        await run_copy(self.codec.encode, layer, blocks, slot[prefix:])
-                        parts = [slot[prefix:]]
-                    else:
+                    await self._copy(self._pack, layers, blocks, slot[prefix:])
+                    if self.codec is not None or self.single:
+                        parts = [slot[prefix:prefix + nbytes]]
+                    else:  # one layer, one message per plane
                         view = mem.staging_view(slot[prefix:], len(blocks))
-                        await run_copy(mem.gather, layer, blocks, view)
                         parts = [view[p] for p in range(mem.planes)]
             except BaseException:
                 if slot is not None:
@@ -187,7 +205,7 @@ class SendStream(Stream):
                 limiter.release()
                 telemetry.end_layer(span, False)
                 raise
-            sends.start_soon(self._send_layer, layer, parts, slot, limiter, span)
+            sends.start_soon(self._send_frame, frame, parts, slot, limiter, span)
 
     async def run(self) -> None:
         _env, t = self.env, self.handle.transfer

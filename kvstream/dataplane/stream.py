@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvstream.dataplane.wire import FrameMac
+from kvstream.dataplane.wire import HEADER_CAPACITY, FrameMac
+from kvstream.memory import run_copy
 from kvstream.transfer.state import EndCause, TransferState
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from kvstream.memory import RegisteredKV
     from kvstream.transfer.state import Transfer
 
-__all__ = ["Stream", "StreamEnv", "single_message_for"]
+__all__ = ["Stream", "StreamEnv", "frame_layers_for", "frame_refusal", "frames_of",
+           "single_message_for"]
 
 log = logging.getLogger("kvstream.transfer")
 
@@ -87,6 +89,39 @@ def single_message_for(memory: RegisteredKV, src_contiguous: bool, dst_contiguou
         and peer_on_cpu
 
 
+def frame_layers_for(config: AgentConfig, num_layers: int, payload_bytes: int, *,
+                     host_memory: bool, lazy: bool = False) -> int:
+    """Layers per frame a sender picks: the whole transfer as one frame (one header, one
+    credit, one copy job per side) when it is at most ``whole_frame_bytes``, both ends hold
+    host memory and nothing is fetched layer by layer; else one layer per frame."""
+    limit = min(config.whole_frame_bytes, config.staging_bytes // 4)
+    if host_memory and not lazy and 0 < payload_bytes <= limit:
+        return num_layers
+    return 1
+
+
+def frame_refusal(frame_layers: int, num_layers: int, *, host_memory: bool, lazy: bool,
+                  frame_bytes: int, staging_bytes: int) -> str | None:
+    """Why a receiver cannot take the sender's framing (None: it can)."""
+    if frame_layers == 1:
+        return None
+    if frame_layers != num_layers:
+        return f"frames of {frame_layers} of {num_layers} layers"
+    if not host_memory:
+        return "one frame for all layers, with KV on a GPU"
+    if lazy:
+        return "one frame for all layers of a lazy pull"
+    if frame_bytes + HEADER_CAPACITY > staging_bytes:
+        return f"a {frame_bytes}-byte frame, over the {staging_bytes}-byte staging pool"
+    return None
+
+
+def frames_of(num_layers: int, frame_layers: int) -> list[range]:
+    """The layers of each frame, in order."""
+    return [range(first, min(num_layers, first + frame_layers))
+            for first in range(0, num_layers, frame_layers)]
+
+
 Outcome = tuple[TransferState, str, "EndCause | None"]
 
 
@@ -118,6 +153,11 @@ class Stream:
     async def run(self) -> None:
         """Move the bytes until the transfer ends; always finishes it (``_end``)."""
         raise NotImplementedError
+
+    async def _copy(self, fn: Callable[..., None], *args: Any) -> None:
+        """One copy job on the copy threads (counted: ``copy_jobs``)."""
+        self.env.count("copy_jobs", 1)
+        await run_copy(fn, *args)
 
     def _frame_mac(self, src_tag: int, dst_tag: int) -> FrameMac:
         """This transfer's MAC key. Without a shared key (the peer's key unknown: it was

@@ -26,7 +26,7 @@ from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.recv import RecvStream
 from kvstream.dataplane.reshape import layer_bytes_of
-from kvstream.dataplane.stream import single_message_for
+from kvstream.dataplane.stream import frame_refusal, frames_of, single_message_for
 from kvstream.engine.book import Kind
 from kvstream.engine.rules import (
     layout_mismatch,
@@ -221,6 +221,11 @@ class Admission:
                           f"{len(msg.src_blocks)} blocks")
         if (why := choice.refusal(msg.src_blocks)) is not None:
             return reject("invalid_blocks", why)
+        if (why := frame_refusal(msg.frame_layers, msg.num_layers,
+                                 host_memory=mem.device.type == "cpu", lazy=False,
+                                 frame_bytes=_layer_bytes(msg, mem) * msg.num_layers,
+                                 staging_bytes=core.staging.max_bytes)) is not None:
+            return reject("incompatible", f"framing: {why}")
         if entry is None:
             return self._stage(msg, headers, mem, choice, reject)
         if msg.src != entry.expect_from:
@@ -238,6 +243,7 @@ class Admission:
         t.transfer_id, t.peer, t.codec = msg.transfer_id, msg.src, msg.codec
         t.reshape = msg.reshape
         t.layer_bytes = layer_bytes_of(mem, t, len(msg.src_blocks))
+        t.frame_layers = msg.frame_layers
         _trace(t, msg, headers)
         t.started_at = core.clock()  # the transfer deadline counts from the offer
         skip = skipped_indices(msg.block_hashes, handle.have)
@@ -265,9 +271,10 @@ class Admission:
             single = choice.path not in ("shm", "cuda_ipc") and \
                 single_message_for(mem, is_run(msg.src_blocks), False, msg.codec, choice.path,
                                    core.peer_on_cpu(msg.src))
-        layer_bytes = msg.reshape.layer_bytes(mem.layout) if msg.reshape is not None else \
-            wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
-        sizes = [layer_bytes + (wire.HEADER_CAPACITY if single else 0)] * msg.num_layers
+        single = single or msg.frame_layers > 1
+        layer_bytes = _layer_bytes(msg, mem)
+        sizes = [len(frame) * layer_bytes + (wire.HEADER_CAPACITY if single else 0)
+                 for frame in frames_of(msg.num_layers, msg.frame_layers)]
         need = sum(sizes)
         # "busy" in every case: the sender backs off and retries for staging_wait_s, in
         # time for the reservation perhaps (a manifest for a reserved request is no longer
@@ -292,6 +299,7 @@ class Admission:
                      clock=core.clock)
         t.codec = msg.codec
         t.reshape = msg.reshape
+        t.frame_layers = msg.frame_layers
         _trace(t, msg, headers)
         handle = ReceiveHandle(t, core.aborter(entry), blocks=None)
         core.track(entry, handle)
@@ -329,6 +337,13 @@ class Admission:
 def _framing(msg: m.Manifest) -> str:
     """The codec the framing and the path choice see: a reshape stages both ends."""
     return "reshape" if msg.reshape is not None else msg.codec
+
+
+def _layer_bytes(msg: m.Manifest, mem: RegisteredKV) -> int:
+    """A layer's bytes on the wire, before any skip."""
+    if msg.reshape is not None:
+        return msg.reshape.layer_bytes(mem.layout)
+    return wire_layer_bytes(mem.layout, msg.codec, len(msg.src_blocks))
 
 
 def _dst_count(msg: m.Manifest, mem: RegisteredKV) -> int:

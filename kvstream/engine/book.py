@@ -45,7 +45,8 @@ Alive = Callable[[str], bool]
 COUNTERS: Final = ("completed", "failed", "aborted", "timed_out", "expired", "bytes_sent",
                    "bytes_received", "bytes_skipped", "staged_dropped", "renewals_sent",
                    "forbidden", "data_discarded", "refused_unsolicited",
-                   "refused_unsolicited_sender", "forged_frames")
+                   "refused_unsolicited_sender", "forged_frames", "frames_sent",
+                   "frames_received", "copy_jobs")
 
 
 @dataclass

@@ -90,6 +90,7 @@ class Core:
         self._transport: Transport | None = None
         self._spawn: Spawn | None = None
         self.wake: Callable[[], None] = lambda: None  # the timer: a deadline may be sooner
+        self.timer_due = -math.inf  # when the timer wakes by itself next (liveness sets it)
         self.lease_lost: Callable[[LoseLease], None] = lambda action: None  # the keeper's
 
     def attach(self, control: ControlPort, transport: Transport, spawn: Spawn) -> None:
@@ -192,7 +193,13 @@ class Core:
                                                        transfer.cause))
 
         transfer.on_release(ended)
-        self.wake()
+        self.wake_for(entry)
+
+    def wake_for(self, entry: Entry) -> None:
+        """Wake the timer if ``entry`` is due before it would wake by itself (each wake
+        looks at every entry: waking per transfer would cost O(entries) each)."""
+        if entry.due() < self.timer_due:
+            self.wake()
 
     def end(self, entry: Entry, state: TransferState, reason: str,
             cause: EndCause | None = None, **kw: Any) -> None:
@@ -279,7 +286,7 @@ class Core:
             self.count(f"path:{t.path}", 1)
         self.book.streaming(entry, t.transfer_id, self.clock(), deadline_s)
         stream.on_received = lambda: self.book.received_all(entry)
-        self.wake()
+        self.wake_for(entry)
 
         async def run() -> None:
             try:

@@ -63,6 +63,10 @@ class Entry:
     handle: Any = None
     runner: Any = None
 
+    def due(self) -> float:
+        """When the timer next has something to do about it (inf: never by itself)."""
+        return min(self.deadline, self.claim_by, self.lease_until)
+
     def __repr__(self) -> str:
         state = "finished" if self.finished else (self.ending[0].value if self.ending else "live")
         return f"<Entry {self.kind.value} {self.request_id} peer={self.peer or '-'} {state}>"

@@ -164,6 +164,7 @@ class Liveness:
                                  {a.instance_id for a in live})
             self.tick()
             due = min(next_beat, core.book.next_deadline(), self._peer_deadline())
+            core.timer_due = due
             # A deadline just passed is handled at the next turn; a tiny margin keeps the
             # clock comparison (now > deadline) from spinning on equality.
             wait = max(0.0, due - core.clock()) + 1e-3

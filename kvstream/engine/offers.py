@@ -20,6 +20,7 @@ from kvstream import telemetry
 from kvstream._exceptions import CapacityError, ConfigError, ProtocolError
 from kvstream.control import messages as m
 from kvstream.dataplane.send import SendStream
+from kvstream.dataplane.stream import frame_layers_for
 from kvstream.engine.book import Kind, secret_matches
 from kvstream.engine.rules import (
     PUSH_MODES,
@@ -177,6 +178,11 @@ class Offers:
             side="send", peer=msg.dst, codec=codec, blocks=len(full)))
         handle.blocks = full.without(skip)
         shrink(t, mem, len(full), len(handle.blocks))
+        t.frame_layers = frame_layers_for(
+            core.config, t.num_layers, t.layer_bytes * t.num_layers, lazy=msg.mode == "lazy",
+            host_memory=mem.device.type == "cpu" and core.peer_on_cpu(msg.dst))
+        if t.frame_layers > 1:
+            handle.eager = True  # short: layer by layer costs more than it hides
         core.count("bytes_skipped", t.bytes_skipped)
         src_tag = core.new_tag(t)
         # The puller's pick, unless this instance does not offer it: then plain UCX.
@@ -199,6 +205,7 @@ class Offers:
             fingerprint=wire_fingerprint(mem.layout, codec), num_layers=t.num_layers,
             src_blocks=full.ids, dst_blocks=list(msg.dst_blocks),
             mode="eager" if handle.eager else "pipelined", codec=codec,
+            frame_layers=t.frame_layers,
             payload_bytes=t.layer_bytes * t.num_layers, deadline_s=msg.deadline_s,
             block_hashes=handle.block_hashes, skip=skip, skipped_bytes=t.bytes_skipped,
             lease_s=entry.lease_s, cache_scales=mem.cache_scales if codec == "none" else [],

@@ -31,6 +31,7 @@ from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane import wire
 from kvstream.dataplane.recv import RecvStream
+from kvstream.dataplane.stream import frame_refusal
 from kvstream.engine.rules import (
     PULL_MODES,
     REJECT_ERRORS,
@@ -45,7 +46,7 @@ from kvstream.engine.rules import (
 )
 from kvstream.layout import FP8_DTYPES
 from kvstream.memory import is_run
-from kvstream.quant.scheme import effective_codec, wire_fingerprint
+from kvstream.quant.scheme import effective_codec, wire_fingerprint, wire_layer_bytes
 from kvstream.transfer.handles import ReceiveHandle
 from kvstream.transfer.plan import Reshape, TpInfo
 from kvstream.transfer.state import Side, Transfer, TransferState
@@ -204,6 +205,20 @@ class Puller:
                                        request_id=rid, peer=src)
         return reply
 
+    def _check_frames(self, manifest: m.Manifest, lazy: bool, nblocks: int) -> None:
+        """The source's framing, if this side can take it."""
+        core = self.core
+        mem = core.mem()
+        layer_bytes = manifest.reshape.layer_bytes(mem.layout) if manifest.reshape else \
+            wire_layer_bytes(mem.layout, manifest.codec, nblocks)
+        why = frame_refusal(manifest.frame_layers, mem.layout.num_layers,
+                            host_memory=mem.device.type == "cpu", lazy=lazy,
+                            frame_bytes=layer_bytes * mem.layout.num_layers,
+                            staging_bytes=core.staging.max_bytes)
+        if why is not None:
+            raise IncompatiblePeerError(f"{manifest.src} answered with framing this side "
+                                        f"cannot take: {why}")
+
     def _check_reshape(self, reply: m.Manifest, entry: Entry, nblocks: int,
                        asked: Reshape | None) -> m.Manifest:
         """A reshaped answer: the plan this side derives for the tokens the source holds."""
@@ -283,6 +298,7 @@ class Puller:
                                     dst_tag, choice.path, reshape)
             try:
                 manifest = self._check(reply, entry, len(blocks), want_codec, reshape)
+                self._check_frames(manifest, mode == "lazy", len(blocks))
                 path, peer_address = self._path(manifest, choice, mapped)
                 if path == "cuda_ipc":
                     mem = core.mem()
@@ -315,6 +331,7 @@ class Puller:
         kept = blocks.without(manifest.skip)
         t.codec = manifest.codec
         t.reshape = manifest.reshape
+        t.frame_layers = manifest.frame_layers
         telemetry.trace_transfer(t, span)
         span.set_attribute("kvstream.transfer_id", t.transfer_id)
         shrink(t, mem, len(blocks), len(kept))

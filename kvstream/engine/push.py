@@ -27,6 +27,7 @@ from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from kvstream.dataplane.reshape import layer_bytes_of
 from kvstream.dataplane.send import SendStream
+from kvstream.dataplane.stream import frame_layers_for
 from kvstream.engine.rules import (
     PUSH_MODES,
     REJECT_ERRORS,
@@ -92,6 +93,11 @@ class Pusher:
         transfer.deadline_s = timeout
         transfer.codec = wire_codec
         transfer.layer_bytes = layer_bytes_of(mem, transfer, len(blocks))
+        transfer.frame_layers = frame_layers_for(
+            core.config, transfer.num_layers, transfer.layer_bytes * transfer.num_layers,
+            host_memory=mem.device.type == "cpu" and core.peer_on_cpu(dst_instance))
+        if transfer.frame_layers > 1:
+            mode = "eager"  # short: streaming it layer by layer costs more than it hides
         span = telemetry.trace_transfer(transfer, telemetry.open_span(
             "kvstream.push", parent=trace_context, kind=SpanKind.PRODUCER,
             request_id=request_id, transfer_id=transfer.transfer_id, side="send",
@@ -107,6 +113,7 @@ class Pusher:
             fingerprint=wire_fingerprint(mem.layout, wire_codec), num_layers=mem.layout.num_layers,
             src_blocks=list(blocks.ids), dst_blocks=list(dst_blocks or []),
             mode=mode,  # type: ignore[arg-type]  # checked: one of PUSH_MODES
+            frame_layers=transfer.frame_layers,
             codec=wire_codec, payload_bytes=transfer.layer_bytes * transfer.num_layers,
             deadline_s=timeout or core.config.transfer_timeout_s, block_hashes=hashes,
             cache_scales=mem.cache_scales if wire_codec == "none" else [],
@@ -216,15 +223,23 @@ class Pusher:
         """Send the manifest; while the destination answers "busy" (no reservation yet and a
         full staging pool) back off and retry, for at most ``staging_wait_s``."""
         core = self.core
+
+        async def ask() -> m.ControlUnion:
+            return await core.control.request(
+                core.subjects.control(dst), manifest, timeout=core.config.request_timeout_s,
+                peer=dst, headers=headers)
+
+        if core.config.staging_wait_s > 0:  # the common case, without a retry loop's setup
+            first = await ask()
+            if not (isinstance(first, m.Reject) and first.code == "busy"):
+                return first
         reply: m.ControlUnion | None = None
         try:
             async for attempt in stamina.retry_context(
                     on=_Busy, attempts=None, timeout=core.config.staging_wait_s,
                     wait_initial=0.01, wait_max=0.25, wait_jitter=0.01):
                 with attempt:
-                    reply = await core.control.request(
-                        core.subjects.control(dst), manifest,
-                        timeout=core.config.request_timeout_s, peer=dst, headers=headers)
+                    reply = await ask()
                     if isinstance(reply, m.Reject) and reply.code == "busy":
                         raise _Busy(reply.reason)
         except _Busy as exc:

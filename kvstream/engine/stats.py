@@ -49,6 +49,11 @@ class AgentStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # Data-plane headers or credits whose MAC failed (not from the transfer's peer): the
     # transfer they claimed fails (a header) or ignores them (a credit).
     forged_frames: int = 0
+    # Data-plane frames (a header each: one per layer, or one per short transfer) and the
+    # copy jobs the streams ran (gathers, scatters, reads of a peer's memory), both sides.
+    frames_sent: int = 0
+    frames_received: int = 0
+    copy_jobs: int = 0
     # Pushes nobody reserved, refused "busy": past their share of the staging pool or of
     # the transfer table (all of them), and of those, past one sender's share.
     refused_unsolicited: int = 0
@@ -87,6 +92,8 @@ def snapshot(core: Core, malformed: int, unauthenticated: int = 0) -> AgentStati
         staged_dropped=c["staged_dropped"], renewals_sent=c["renewals_sent"],
         unauthenticated_messages=unauthenticated, forbidden_requests=c["forbidden"],
         data_discarded=c["data_discarded"], forged_frames=c["forged_frames"],
+        frames_sent=c["frames_sent"], frames_received=c["frames_received"],
+        copy_jobs=c["copy_jobs"],
         refused_unsolicited=c["refused_unsolicited"],
         refused_unsolicited_sender=c["refused_unsolicited_sender"],
         paths={k[5:]: v for k, v in c.items() if k.startswith("path:")},

@@ -43,6 +43,9 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
 @click.option("--staging-bytes", type=click.IntRange(min=1), default=256 << 20, show_default=True)
 @click.option("--max-inflight-layers", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-transfers", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--whole-frame-bytes", type=click.IntRange(min=0), default=8 << 20,
+              show_default=True,
+              help="transfers up to this size go eager, as one data-plane frame (0: never)")
 @click.option("--model", help="refuse KV memory of any layout but this preset's")
 @click.option("--tp-rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="the engine's tensor-parallel rank (its layout holds this rank's KV heads)")
@@ -58,7 +61,8 @@ def _configure_tracing(service: str, trace_file: str | None) -> Any:
 def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
             nats_auth: NatsAuth, namespace: str,
             ucx_tls: str | None, ucx_error_handling: bool, staging_bytes: int,
-            max_inflight_layers: int, max_transfers: int, model: str | None, tp_rank: int,
+            max_inflight_layers: int, max_transfers: int, whole_frame_bytes: int,
+            model: str | None, tp_rank: int,
             tp_size: int, total_kv_heads: int, endpoint: str, log_level: str,
             trace_file: str | None) -> None:
     """Run an agent next to one engine, served over a Unix socket."""
@@ -85,7 +89,8 @@ def sidecar(instance_id: str, role: str, socket_path: str, nats_url: str | None,
                          nats_url=nats_url, nats_auth=nats_auth,
                          ucx_error_handling=ucx_error_handling,
                          staging_bytes=staging_bytes, max_inflight_layers=max_inflight_layers,
-                         max_transfers=max_transfers, endpoint=endpoint,
+                         max_transfers=max_transfers, whole_frame_bytes=whole_frame_bytes,
+                         endpoint=endpoint,
                          tp=TpInfo(rank=tp_rank, size=tp_size, total_kv_heads=total_kv_heads))
     server = Sidecar(config, socket_path, layout=layout)
     shutdown_tracing = _configure_tracing(f"kvstream-sidecar-{instance_id}", trace_file)

@@ -28,6 +28,40 @@ if TYPE_CHECKING:
 __all__ = ["ReceiveHandle", "SendHandle", "error_for"]
 
 
+class LayerFlags:
+    """One flag per layer, with an event made only for a layer someone waits on (a
+    transfer of 80 layers that nobody waits on per layer makes none)."""
+
+    def __init__(self, n: int) -> None:
+        self.flags = [False] * n
+        self._events: dict[int, anyio.Event] = {}
+        self._woken = False  # every wait returns from now on (the transfer ended)
+
+    def is_set(self, layer: int) -> bool:
+        return self.flags[layer]
+
+    def set(self, layer: int) -> None:
+        self.flags[layer] = True
+        event = self._events.pop(layer, None)
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        """Return every wait, now and later, whether its flag is set or not."""
+        self._woken = True
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.set()
+
+    async def wait(self, layer: int) -> None:
+        if self.flags[layer] or self._woken:
+            return
+        event = self._events.get(layer)
+        if event is None:
+            event = self._events[layer] = anyio.Event()
+        await event.wait()
+
+
 def error_for(result: TransferResult) -> TransferError:
     """The exception that stands for a non-completed result."""
     kind: type[TransferError] = {
@@ -102,7 +136,7 @@ class SendHandle(_Handle):
         super().__init__(transfer, aborter)
         self.eager = eager
         self.blocks = blocks
-        self._ready = [anyio.Event() for _ in range(transfer.num_layers)]
+        self._ready = LayerFlags(transfer.num_layers)
         self._all_ready = anyio.Event()
         self._ready_count = 0
         self.last_ready_at: float | None = None
@@ -129,9 +163,9 @@ class SendHandle(_Handle):
         """Layer ``layer``'s KV is final and may leave (pipelined mode sends it now)."""
         if not 0 <= layer < self.transfer.num_layers:
             raise ValueError(f"layer {layer} out of range 0..{self.transfer.num_layers - 1}")
-        if self._ready[layer].is_set():
+        if self._ready.is_set(layer):
             return
-        self._ready[layer].set()
+        self._ready.set(layer)
         self._ready_count += 1
         if self._ready_count == self.transfer.num_layers:
             self.last_ready_at = time.monotonic()
@@ -147,7 +181,7 @@ class SendHandle(_Handle):
         if self.eager:
             await self._all_ready.wait()
         else:
-            await self._ready[layer].wait()
+            await self._ready.wait(layer)
 
 
 class ReceiveHandle(_Handle):
@@ -165,12 +199,11 @@ class ReceiveHandle(_Handle):
         # Layers the engine asked for so far (lazy); the receiver posts no further.
         self.requested = 0 if lazy else transfer.num_layers
         self._requested_changed = anyio.Event()
-        self._layer_events = [anyio.Event() for _ in range(transfer.num_layers)]
+        self._landed = LayerFlags(transfer.num_layers)
         transfer.on_release(self._wake_all)
 
     def _wake_all(self) -> None:
-        for ev in self._layer_events:
-            ev.set()
+        self._landed.wake_all()
         self._requested_changed.set()
 
     def fetch(self, layer: int) -> None:
@@ -192,7 +225,7 @@ class ReceiveHandle(_Handle):
 
     def mark_layer(self, layer: int) -> None:
         if self.transfer.layer_done(layer):
-            self._layer_events[layer].set()
+            self._landed.set(layer)
 
     def layer_landed(self, layer: int) -> bool:
         return self.transfer.layers_done[layer]
@@ -212,6 +245,6 @@ class ReceiveHandle(_Handle):
     async def wait_landed(self, layer: int) -> None:
         """``wait_layer`` without fetching (an observer must not make a lazy pull eager)."""
         if not self.transfer.layers_done[layer]:
-            await self._layer_events[layer].wait()
+            await self._landed.wait(layer)
         if not self.transfer.layers_done[layer]:
             raise error_for(self.transfer.result())

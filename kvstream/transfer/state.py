@@ -126,6 +126,7 @@ class Transfer:
         self.done_count = 0
         self.bytes_skipped = 0
         self.codec = "none"
+        self.frame_layers = 1  # layers per data-plane frame (the manifest's frame_layers)
         self.path = ""  # the data-plane path, once chosen (engine/paths.py)
         self.reshape: Reshape | None = None  # between unequal layouts (transfer/plan.py)
         self.deadline_s: float | None = None  # None: the agent's transfer_timeout_s

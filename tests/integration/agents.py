@@ -9,6 +9,10 @@ import anyio
 from kvstream import Agent, AgentConfig
 from tests.fakes import cache
 
+# A sender's config that streams layer by layer however short the transfer (the default
+# sends a short one as a single frame): for tests that act between two layers.
+LAYERED = {"whole_frame_bytes": 0}
+
 
 def cfg(instance_id: str, nats_server, **kw) -> AgentConfig:
     return AgentConfig(instance_id=instance_id, nats_url=nats_server.url, heartbeat_s=0.25,

@@ -13,8 +13,9 @@ from kvstream.layout import KVLayout
 def _cfg(instance_id: str, nats_url: str) -> Any:
     from kvstream.config import AgentConfig
 
+    # Layer by layer however short: these peers are killed or stopped between layers.
     return AgentConfig(instance_id=instance_id, nats_url=nats_url, heartbeat_s=0.25,
-                       peer_timeout_s=1.0, request_timeout_s=1.0)
+                       peer_timeout_s=1.0, request_timeout_s=1.0, whole_frame_bytes=0)
 
 
 def decode_peer(layout_blob: bytes, nats_url: str, request_id: str, blocks: list[int],

@@ -59,8 +59,11 @@ REQUEST_TIMEOUT = 1.0  # request_timeout_s: the longest one control request wait
 SLACK = 1.0
 DETECT = PEER_TIMEOUT + HB + SLACK
 TEST_LIMIT = 60  # anyio.fail_after around each whole test: nothing may hang
+# Every fault here strikes mid-stream: transfers go layer by layer however short (the
+# default sends one this short as a single frame).
+LAYERED: dict[str, Any] = {"whole_frame_bytes": 0}
 FAST: dict[str, Any] = {"heartbeat_s": HB, "peer_timeout_s": PEER_TIMEOUT,
-                        "request_timeout_s": REQUEST_TIMEOUT}  # the children's AgentConfig
+                        "request_timeout_s": REQUEST_TIMEOUT, **LAYERED}  # the children's
 
 # 6 layers; 8 KiB per block and plane, so one layer plane of a transfer (8 blocks, 64 KiB)
 # goes as a UCX rendezvous, not an eager copy: a sender can have data in flight at a fault.
@@ -92,7 +95,8 @@ def ended(end: dict[str, Any] | None, latest: float, stuck: list[str]) -> dict[s
 
 def cfg(instance_id: str, nats_url: str) -> AgentConfig:
     return AgentConfig(instance_id=instance_id, nats_url=nats_url, heartbeat_s=HB,
-                       peer_timeout_s=PEER_TIMEOUT, request_timeout_s=REQUEST_TIMEOUT)
+                       peer_timeout_s=PEER_TIMEOUT, request_timeout_s=REQUEST_TIMEOUT,
+                       **LAYERED)
 
 
 def brief(stats: Any) -> dict[str, Any]:
@@ -228,7 +232,8 @@ async def spawn_sidecar(instance_id: str, nats_url: str, tmp_path) -> tuple[Any,
     with open(tmp_path / f"{instance_id}.log", "ab") as log:
         proc = await anyio.open_process(
             [sys.executable, "-m", "kvstream.tools.cli", "sidecar", "--instance-id", instance_id,
-             "--socket", sock, "--nats-url", nats_url, "--log-level", "warning"],
+             "--socket", sock, "--nats-url", nats_url, "--log-level", "warning",
+             "--whole-frame-bytes", "0"],
             stdout=subprocess.DEVNULL, stderr=log)
     return proc, sock
 

@@ -17,7 +17,7 @@ from kvstream.bench.runner import Harness
 from kvstream.bench.synthetic import BenchSpec
 from kvstream.layout import KVLayout
 from tests.fakes import small_layout
-from tests.integration.agents import assert_at_rest, cfg, settle
+from tests.integration.agents import LAYERED, assert_at_rest, cfg, settle
 from tests.integration.peers import prefill_peer
 
 pytestmark = pytest.mark.anyio
@@ -70,7 +70,7 @@ async def test_shm_staged_push_lazy_pull_and_abort(nats_server):
     """A push before its reservation lands in staging and is claimed; a lazy pull reads
     layer by layer; an abort mid-way ends both sides; nothing stays mapped or held."""
     lay = small_layout(layers=6)
-    p, d = await _pair(nats_server, lay, 32)
+    p, d = await _pair(nats_server, lay, 32, **LAYERED)
     async with p, d:
         with anyio.fail_after(5):
             while not d.peers() or not p.peers():

@@ -27,7 +27,7 @@ from kvstream.bench.synthetic import BenchSpec
 from kvstream.control import messages as m
 from kvstream.control.subjects import Subjects
 from tests.fakes import cache, small_layout
-from tests.integration.agents import agent_pair, assert_at_rest, cfg, settle
+from tests.integration.agents import LAYERED, agent_pair, assert_at_rest, cfg, settle
 from tests.integration.peers import decode_peer, prefill_peer
 
 pytestmark = pytest.mark.anyio
@@ -202,7 +202,8 @@ async def test_malformed_control_message_is_survived(nats_server):
 @pytest.mark.parametrize("who", ["decode", "prefill"])
 async def test_abort_mid_push_releases_both_sides(nats_server, who):
     lay = small_layout(layers=8)
-    async with agent_pair(nats_server, f"p-ab-{who}", f"d-ab-{who}", lay, 16) as (p, d):
+    async with agent_pair(nats_server, f"p-ab-{who}", f"d-ab-{who}", lay, 16,
+                          p_kw=LAYERED) as (p, d):
         rx = d.expect("r", [9, 3, 5], src=p.instance_id)
         tx = await p.push("r", f"d-ab-{who}", [1, 2, 4])
         tx.layer_ready(0)
@@ -253,7 +254,7 @@ def _layer_bytes(lay, nblocks: int) -> int:
 async def test_push_before_reservation_is_staged_then_claimed(nats_server, claim_after):
     lay = small_layout(layers=8)
     async with agent_pair(nats_server, f"p-early{claim_after}", f"d-early{claim_after}", lay,
-                          16) as (p, d):
+                          16, p_kw=LAYERED) as (p, d):
         tx = await p.push("early", f"d-early{claim_after}", [3, 1, 12])  # nothing reserved yet
         for layer in range(claim_after):
             tx.layer_ready(layer)

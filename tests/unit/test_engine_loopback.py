@@ -34,6 +34,10 @@ pytestmark = pytest.mark.anyio
 NBLOCKS = 16
 
 
+# Streams layer by layer however short (the default sends a short transfer as one frame).
+LAYERED = {"whole_frame_bytes": 0}
+
+
 def _cfg(instance_id: str, **kw: object) -> AgentConfig:
     kw = {"heartbeat_s": 0.2, "peer_timeout_s": 1.0, "request_timeout_s": 1.0, **kw}
     return AgentConfig(instance_id=instance_id, nats_url="memory://", **kw)  # type: ignore[arg-type]
@@ -159,7 +163,7 @@ async def test_unrenewed_offer_expires_on_time():
 
 @pytest.mark.parametrize("who", ["sender", "receiver"])
 async def test_abort_mid_push_releases_everything(who):
-    async with _pair() as (p, d, _):
+    async with _pair(p_kw=LAYERED) as (p, d, _):
         rx = d.expect("r", [1, 3, 5], src=p.instance_id)  # scattered: staging buffers on both sides
         tx = await p.push("r", "d", [2, 4, 6], mode="pipelined")
         tx.layer_ready(0)
@@ -209,7 +213,7 @@ async def test_deadline_ends_a_stalled_push_on_both_sides():
 
 
 async def test_dead_peer_fails_its_transfers_and_frees_them():
-    async with _pair() as (p, d, fabric):
+    async with _pair(p_kw=LAYERED) as (p, d, fabric):
         rx = d.expect("r", [1, 2], src=p.instance_id)
         tx = await p.push("r", "d", [1, 2])
         tx.layer_ready(0)
@@ -230,7 +234,7 @@ async def test_shutdown_mid_transfer_ends_everything_once():
     lay = small_layout()
     fabric = LoopbackFabric()
     async with MemoryHub() as hub:
-        async with Agent(_cfg("p"), layout=lay, kv_caches=cache(lay, NBLOCKS, fill=True),
+        async with Agent(_cfg("p", **LAYERED), layout=lay, kv_caches=cache(lay, NBLOCKS, fill=True),
                          control=await hub.connect("p"),
                          transport=LoopbackTransport(fabric)) as p:
             async with Agent(_cfg("d"), layout=lay, kv_caches=cache(lay, NBLOCKS, fill=False),
