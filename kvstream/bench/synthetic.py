@@ -39,6 +39,9 @@ class BenchSpec(msgspec.Struct, frozen=True, kw_only=True):
     # "tcp" or "ucx": that one, UCX as the fallback); host KV is in shared memory either way.
     path: str = ""
     host_ids: bool = False  # each side its own host id: same-host paths off (two "hosts")
+    # Every layer its own data-plane frame however short the transfer (whole_frame_bytes 0):
+    # how per-layer pipelining and per-layer spans are seen on a small prompt.
+    layered: bool = False
     decode_netns: str = ""  # run the decode process in this network namespace (bench/netns.py)
 
     @property

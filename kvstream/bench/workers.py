@@ -64,10 +64,11 @@ def _config(instance_id: str, nats_url: str, role: str, spec: BenchSpec) -> Any:
 
     paths = ("shm", "cuda_ipc", "tcp", "ucx") if not spec.path else \
         tuple(dict.fromkeys((spec.path, "ucx")))
-    return AgentConfig(instance_id=instance_id, role=role, nats_url=nats_url,  # type: ignore[arg-type]
-                       transfer_timeout_s=120.0, progress_mode=spec.progress_mode,
-                       namespace=spec.namespace, paths=paths,
-                       host_id=f"bench-host-{role}" if spec.host_ids else "")
+    config = AgentConfig(instance_id=instance_id, role=role, nats_url=nats_url,  # type: ignore[arg-type]
+                         transfer_timeout_s=120.0, progress_mode=spec.progress_mode,
+                         namespace=spec.namespace, paths=paths,
+                         host_id=f"bench-host-{role}" if spec.host_ids else "")
+    return msgspec.structs.replace(config, whole_frame_bytes=0) if spec.layered else config
 
 
 async def _commands(cmd_q: Any) -> AsyncIterator[Cmd]:

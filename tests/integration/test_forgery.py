@@ -18,7 +18,7 @@ from kvstream.control.bus import ControlBus
 from kvstream.control.identity import Identity
 from kvstream.control.subjects import Subjects
 from tests.fakes import small_layout
-from tests.integration.agents import agent_pair, assert_at_rest, settle
+from tests.integration.agents import LAYERED, agent_pair, assert_at_rest, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +43,7 @@ async def ask(bus: ControlBus, subject: str, msg: m.ControlMessage) -> m.Control
 async def test_forged_requests_about_a_live_pull_are_refused_and_counted(nats_server):
     lay = small_layout(layers=4)
     subjects = Subjects("default")
-    async with agent_pair(nats_server, "p-fg", "d-fg", lay, 16) as (p, d):
+    async with agent_pair(nats_server, "p-fg", "d-fg", lay, 16, p_kw=LAYERED) as (p, d):
         held = p.offer("r", [1, 2], lease_s=5.0)
         held.layer_ready(0)  # the rest stays back: the pull is live while we forge
         unsigned, mallory = await attacker(nats_server, None), await attacker(nats_server, "mal")

@@ -47,7 +47,8 @@ pytestmark = [pytest.mark.anyio,
 LAYERS = 8
 NBLOCKS = 64
 # Short deadlines, so that a transfer whose control message was lost ends within the test.
-TIMEOUTS = {"transfer_timeout_s": 5.0, "reservation_timeout_s": 5.0}
+# Layer by layer however short: the gated transfers stay in flight between two layers.
+TIMEOUTS = {"transfer_timeout_s": 5.0, "reservation_timeout_s": 5.0, "whole_frame_bytes": 0}
 
 
 class _At(NamedTuple):

@@ -18,7 +18,7 @@ from kvstream import (
     block_hashes,
 )
 from tests.fakes import small_layout
-from tests.integration.agents import agent_pair, assert_at_rest, settle
+from tests.integration.agents import LAYERED, agent_pair, assert_at_rest, settle
 from tests.integration.peers import keeping_peer, offering_peer
 
 pytestmark = pytest.mark.anyio
@@ -48,7 +48,7 @@ async def test_pull_eager_is_bit_exact(nats_server, scattered):
 async def test_pull_while_prefill_still_computes(nats_server):
     """Pipelined pull: layers leave as the source marks them ready."""
     lay = small_layout(layers=6)
-    async with agent_pair(nats_server, "p-pp", "d-pp", lay, 16) as (p, d):
+    async with agent_pair(nats_server, "p-pp", "d-pp", lay, 16, p_kw=LAYERED) as (p, d):
         held = p.offer("r", [1, 5])
         rx = await d.pull("r", "p-pp", [2, 3], secret=held.secret)
         held.layer_ready(0)
@@ -267,7 +267,8 @@ async def test_destination_abort_mid_transfer_no_write_after_the_ack(nats_server
     """Once the destination's abort returns (the source acknowledged it), no byte of this
     transfer lands in its memory, however the source carries on."""
     lay = small_layout(layers=16)
-    async with agent_pair(nats_server, f"p-nw-{how}", f"d-nw-{how}", lay, 32) as (p, d):
+    async with agent_pair(nats_server, f"p-nw-{how}", f"d-nw-{how}", lay, 32,
+                          p_kw=LAYERED) as (p, d):
         src, dst = [4, 17, 9, 30], [2, 11, 25, 6]
         if how == "push":
             rx = d.expect("r", dst, src=p.instance_id)

@@ -198,7 +198,7 @@ def _engine_that_hangs(sock: str, layout_blob: bytes, q) -> None:
 
 async def test_engine_killed_mid_transfer_releases_everything(sidecars, nats_server):
     lay = small_layout(layers=6)
-    _, sock = sidecars("sc-eng")
+    _, sock = sidecars("sc-eng", "--whole-frame-bytes", "0")  # killed between two layers
     cfg = AgentConfig(instance_id="eng-peer", nats_url=nats_server.url, heartbeat_s=0.25,
                       peer_timeout_s=1.0, request_timeout_s=1.0)
     async with Agent(cfg, layout=lay, kv_caches=cache(lay, 16, fill=False)) as peer:
@@ -288,7 +288,7 @@ async def test_sigterm_aborts_in_flight_transfers_and_exits_cleanly(sidecars, na
     import signal
 
     lay = small_layout(layers=6)
-    proc, sock = sidecars("sc-term")
+    proc, sock = sidecars("sc-term", "--whole-frame-bytes", "0")  # ended between two layers
     cfg = AgentConfig(instance_id="term-peer", nats_url=nats_server.url, heartbeat_s=0.25,
                       peer_timeout_s=1.0, request_timeout_s=1.0)
     async with Agent(cfg, layout=lay, kv_caches=cache(lay, 16, fill=False)) as peer:

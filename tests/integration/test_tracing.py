@@ -17,7 +17,7 @@ LAYERS = 6
 def _spans(tmp_path, nats_server, mode: str) -> tuple[BenchSpec, list[dict]]:
     lay = KVLayout(num_layers=LAYERS, num_kv_heads=2, head_dim=64, block_size=16)
     spec = BenchSpec(layout=lay, tokens=16 * 20, trace_dir=str(tmp_path),
-                     namespace=f"trace-{mode}")
+                     namespace=f"trace-{mode}", layered=True)  # a span per layer
     with Harness(spec, nats_url=nats_server.url, timeout_s=60) as h:
         run = h.run_kv(mode=mode, compute_ms=1.0)
         assert run.status == "completed" and run.verified, run.reason

@@ -17,7 +17,7 @@ import torch
 from kvstream import Agent, TransferError
 from kvstream.engine.book import Held
 from tests.fakes import cache, small_layout
-from tests.integration.agents import agent_pair, cfg, meet
+from tests.integration.agents import LAYERED, agent_pair, cfg, meet
 
 pytest.importorskip("ucxx")
 
@@ -27,6 +27,7 @@ FLOODERS = 6
 LAY = small_layout(layers=4)
 RUN = [0, 1, 2, 3]  # each flooder's push: one run of blocks, staged whole at the decode side
 # UCX only: a same-host path would read the source's memory and never stage honest traffic.
+# The flooders stream layer by layer (LAYERED): each push is exactly its blocks' bytes.
 PATHS = {"paths": ("ucx",)}
 
 
@@ -45,7 +46,7 @@ async def test_a_minted_identity_flood_does_not_stop_an_honest_push_or_pull(nats
     async with agent_pair(nats_server, "p-honest", "d-honest", LAY, 16, p_kw=PATHS,
                           d_kw=d_kw) as (p, d), contextlib.AsyncExitStack() as stack:
         flooders = [await stack.enter_async_context(Agent(
-            cfg(f"mint-{i}", nats_server, staging_wait_s=0.2, **PATHS), layout=LAY,
+            cfg(f"mint-{i}", nats_server, staging_wait_s=0.2, **PATHS, **LAYERED), layout=LAY,
             kv_caches=cache(LAY, 8, fill=True))) for i in range(FLOODERS)]
         await meet(p, d, *flooders)
         staged, refused = 0, 0
