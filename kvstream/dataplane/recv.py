@@ -20,7 +20,7 @@ from kvstream import telemetry
 from kvstream._exceptions import KVStreamError, ProtocolError
 from kvstream.dataplane import wire
 from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv, frames_of
+from kvstream.dataplane.stream import Stream, StreamEnv, frame_regions, frames_of
 from kvstream.transfer.state import TransferState
 
 if TYPE_CHECKING:
@@ -114,9 +114,8 @@ class RecvStream(Stream):
     def _unpack(self, layers: range, blocks: BlockMap, slot: torch.Tensor) -> None:
         """Scatter (or decode) each layer of a frame out of its place in ``slot`` (on a
         copy thread: one job per frame)."""
-        mem, lb = self.env.memory, self.layer_bytes
-        for i, layer in enumerate(layers):
-            region = slot[i * lb:(i + 1) * lb]
+        mem = self.env.memory
+        for layer, region in frame_regions(slot, layers, self.layer_bytes):
             if self.codec is not None:
                 self.codec.decode(layer, blocks, region)
             else:

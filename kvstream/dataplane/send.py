@@ -17,7 +17,7 @@ from kvstream import telemetry
 from kvstream._exceptions import KVStreamError
 from kvstream.dataplane import wire
 from kvstream.dataplane.reshape import layer_bytes_of, single_for, transfer_codec
-from kvstream.dataplane.stream import Stream, StreamEnv, frames_of
+from kvstream.dataplane.stream import Stream, StreamEnv, frame_regions, frames_of
 from kvstream.transfer.state import TransferState
 
 if TYPE_CHECKING:
@@ -148,9 +148,8 @@ class SendStream(Stream):
     def _pack(self, layers: range, blocks: Any, slot: torch.Tensor) -> None:
         """Gather (or encode) each layer of a frame into its place in ``slot`` (on a copy
         thread: one job per frame)."""
-        mem, lb = self.env.memory, self.layer_bytes
-        for i, layer in enumerate(layers):
-            region = slot[i * lb:(i + 1) * lb]
+        mem = self.env.memory
+        for layer, region in frame_regions(slot, layers, self.layer_bytes):
             if self.codec is not None:
                 self.codec.encode(layer, blocks, region)
             else:

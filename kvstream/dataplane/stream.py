@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from kvstream.memory import RegisteredKV
     from kvstream.transfer.state import Transfer
 
-__all__ = ["Stream", "StreamEnv", "frame_layers_for", "frame_refusal", "frames_of",
-           "single_message_for"]
+__all__ = ["Stream", "StreamEnv", "frame_layers_for", "frame_refusal", "frame_regions",
+           "frames_of", "single_message_for"]
 
 log = logging.getLogger("kvstream.transfer")
 
@@ -114,6 +114,12 @@ def frame_refusal(frame_layers: int, num_layers: int, *, host_memory: bool, lazy
     if frame_bytes + HEADER_CAPACITY > staging_bytes:
         return f"a {frame_bytes}-byte frame, over the {staging_bytes}-byte staging pool"
     return None
+
+
+def frame_regions(slot: Any, layers: range, layer_bytes: int) -> Iterator[tuple[int, Any]]:
+    """Each layer of a frame and its place in the frame's buffer, in order."""
+    for i, layer in enumerate(layers):
+        yield layer, slot[i * layer_bytes:(i + 1) * layer_bytes]
 
 
 def frames_of(num_layers: int, frame_layers: int) -> list[range]:
